@@ -1,0 +1,34 @@
+"""Shared fixtures and markers.
+
+``gpu``: needs a CUDA GPU (any); ``sm120``: needs compute capability 12.x.  Both skip cleanly without one.
+Every test gets its own TRITON_CACHE_DIR so stale or concurrent cache entries cannot mask a result.
+"""
+
+import pytest
+import torch
+
+
+def _cuda_cc() -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
+def pytest_collection_modifyitems(config, items):
+    cc = _cuda_cc()
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
+    no_sm120 = pytest.mark.skip(reason=f"needs an sm_120 GPU (this machine: {'no GPU' if cc is None else f'sm_{cc[0]}{cc[1]}'})")
+    for item in items:
+        if "sm120" in item.keywords and (cc is None or cc[0] != 12):
+            item.add_marker(no_sm120)
+        elif "gpu" in item.keywords and cc is None:
+            item.add_marker(no_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _triton_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
+
+
+@pytest.fixture
+def gen():
+    """A seeded CPU generator: fresh random data per test, reproducible per run."""
+    return torch.Generator().manual_seed(1234)
