@@ -1,11 +1,20 @@
 """Shared fixtures and markers.
 
 ``gpu``: needs a CUDA GPU (any); ``sm120``: needs compute capability 12.x.  Both skip cleanly without one.
+Without CUDA, ``TRITON_INTERPRET=1`` is set so Triton kernels run in the interpreter on CPU tensors (fp16
+dots only: bf16 ``tl.dot`` and NVFP4 ``dot_scaled`` are wrong in the interpreter).
 Every test gets its own TRITON_CACHE_DIR so stale or concurrent cache entries cannot mask a result.
 """
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in the interpreter (it must be set before any kernel module is imported).
+# The sm_120 compile harness drops it again in its compiler subprocess.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _cuda_cc() -> tuple[int, int] | None:

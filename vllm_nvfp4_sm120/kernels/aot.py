@@ -153,6 +153,7 @@ def compile_kernel(
         out = Path(tmp)
         env = dict(os.environ)
         env.setdefault("TRITON_CACHE_DIR", str(out / "triton-cache"))
+        env.pop("TRITON_INTERPRET", None)  # the interpreter has no compiler: ASTSource needs the real JIT function
         proc = subprocess.run(
             [sys.executable, "-m", __name__, json.dumps(spec), str(out)],
             capture_output=True, text=True, timeout=timeout, env=env,

@@ -18,6 +18,20 @@ import triton.language as tl
 from .fp4_decode import expand_scales_f32, unpack_rows_f32
 
 
+# For the sm_120 compile harness: argument types as the launcher passes them (bf16 output).
+W4A4_SIGNATURE = {
+    "a_ptr": "*u8", "a_sf_ptr": "*u8", "w_ptr": "*u8", "w_sf_ptr": "*u8", "out_ptr": "*bf16", "alpha_ptr": "*fp32",
+    "bias_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_asm": "i32",
+    "stride_wn": "i32", "stride_wsn": "i32", "stride_om": "i32", "HAS_BIAS": "constexpr", "DECODE": "constexpr",
+    "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
+}
+# What the JIT marks divisible by 16 for real checkpoint shapes (K % 256 == 0): without it there is no
+# multi-stage pipelining and the 64x64 tile spills, so the compile check would not describe what runs.
+W4A4_DIVISIBLE = [k for k, v in W4A4_SIGNATURE.items() if v.startswith("*")] + [
+    "N", "K", "stride_am", "stride_asm", "stride_wn", "stride_wsn", "stride_om",
+]
+
+
 @triton.jit
 def _w4a4_gemm_kernel(
     a_ptr, a_sf_ptr, w_ptr, w_sf_ptr, out_ptr, alpha_ptr, bias_ptr,

@@ -1,0 +1,71 @@
+"""Random NVFP4 problems for tests, the selftest and the benchmarks (weights quantized like a checkpoint)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .quant import NvFp4, quantize_nvfp4
+from .scales import GlobalScale
+
+
+@dataclass
+class LinearProblem:
+    """A linear layer as a checkpoint stores it: codes ``[N, K/2]``, linear e4m3 scales, one global per part."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    part_globals: list[GlobalScale]
+    logical_widths: list[int]
+    input_gs: GlobalScale
+
+    @property
+    def weight_gs(self) -> GlobalScale:
+        """The single global a W4A4 route uses: the largest part decode (as vLLM does for ModelOpt)."""
+        return GlobalScale.from_decode(torch.stack([g.dec for g in self.part_globals]).max())
+
+    @property
+    def dec_rows(self) -> torch.Tensor:
+        """Per-output-row decode global: what the W4A16 path applies, each part its own."""
+        return torch.repeat_interleave(
+            torch.stack([g.dec for g in self.part_globals]), torch.tensor(self.logical_widths)
+        )
+
+    def to(self, device) -> LinearProblem:
+        return LinearProblem(self.codes.to(device), self.scales.to(device), [g.to(device) for g in self.part_globals],
+                             self.logical_widths, self.input_gs.to(device))
+
+
+def make_linear(
+    n: int,
+    k: int,
+    *,
+    gen: torch.Generator,
+    logical_widths: Sequence[int] | None = None,
+    weight_std: float = 0.05,
+    input_amax: float = 4.0,
+) -> LinearProblem:
+    """Quantize a random ``[N, K]`` weight part by part; parts get different magnitudes, so different globals."""
+    widths = list(logical_widths or [n])
+    codes, scales, globals_ = [], [], []
+    for p, width in enumerate(widths):
+        w = torch.randn(width, k, generator=gen) * weight_std * (1.0 + 0.5 * p)
+        gs = GlobalScale.of(w)
+        q = quantize_nvfp4(w, gs)
+        codes.append(q.codes)
+        scales.append(q.scales)
+        globals_.append(gs)
+    return LinearProblem(torch.cat(codes), torch.cat(scales), globals_, widths, GlobalScale.from_amax(input_amax))
+
+
+def make_moe_bank(e: int, rows: int, k: int, *, gen: torch.Generator, weight_std: float = 0.05) -> tuple[NvFp4, torch.Tensor]:
+    """``E`` experts of ``[rows, K]``: codes ``[E, rows, K/2]``, scales ``[E, rows, K/16]``, decode globals ``[E]``."""
+    qs, decs = [], []
+    for _ in range(e):
+        w = torch.randn(rows, k, generator=gen) * weight_std
+        gs = GlobalScale.of(w)
+        qs.append(quantize_nvfp4(w, gs))
+        decs.append(gs.dec)
+    return NvFp4(torch.stack([q.codes for q in qs]), torch.stack([q.scales for q in qs])), torch.stack(decs)
