@@ -26,16 +26,18 @@ def unit_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def _part_decodes(weight_dec: torch.Tensor | float, logical_widths: Sequence[int] | None, n: int) -> torch.Tensor:
-    """Per-output-row decode global, from one global or one per fused part (qkv, gate_up)."""
+    """Per-output-row decode global from one global, one per fused part (qkv, gate_up), or one per row."""
     dec = torch.as_tensor(weight_dec, dtype=torch.float32).reshape(-1)
     widths = list(logical_widths) if logical_widths is not None else [n]
     if sum(widths) != n:
         raise ValueError(f"logical_widths: parts {widths} sum to {sum(widths)}, weight has {n} rows")
     if dec.numel() == 1:
         return dec.expand(n)
-    if dec.numel() != len(widths):
-        raise ValueError(f"weight_dec: expected 1 or {len(widths)} globals (one per part), got {dec.numel()}")
-    return torch.repeat_interleave(dec, torch.tensor(widths))
+    if dec.numel() == len(widths):
+        return torch.repeat_interleave(dec, torch.tensor(widths, device=dec.device))
+    if dec.numel() == n:
+        return dec
+    raise ValueError(f"weight_dec: expected 1, {len(widths)} (one per part) or {n} (one per row) globals, got {dec.numel()}")
 
 
 def linear_w4a16_ref(
