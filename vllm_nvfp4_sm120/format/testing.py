@@ -69,3 +69,18 @@ def make_moe_bank(e: int, rows: int, k: int, *, gen: torch.Generator, weight_std
         qs.append(quantize_nvfp4(w, gs))
         decs.append(gs.dec)
     return NvFp4(torch.stack([q.codes for q in qs]), torch.stack([q.scales for q in qs])), torch.stack(decs)
+
+
+def random_nvfp4(shape: Sequence[int], *, gen: torch.Generator, device="cpu", scale_log2=(-3, 1)) -> NvFp4:
+    """Random codes (all 256 byte values) and e4m3 block scales ``2^u * (1 + m/8)`` for ``shape = [..., K]``.
+
+    Fast on any device (no quantizer loop): for GPU tests on real checkpoint shapes.  ``gen`` is a CPU generator;
+    the tensors are drawn on CPU and moved, so a seed gives the same problem on every machine.
+    """
+    *lead, k = shape
+    codes = torch.randint(0, 256, (*lead, k // 2), dtype=torch.uint8, generator=gen)
+    lo, hi = scale_log2
+    exp = torch.randint(lo, hi + 1, (*lead, k // 16), generator=gen).to(torch.float32)
+    mant = torch.randint(0, 8, (*lead, k // 16), generator=gen).to(torch.float32)
+    scales = (torch.exp2(exp) * (1 + mant / 8)).to(torch.float8_e4m3fn)
+    return NvFp4(codes.to(device), scales.to(device))

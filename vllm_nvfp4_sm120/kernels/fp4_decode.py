@@ -60,7 +60,7 @@ def expand_scales_f32(sf, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 # bf16 encodings of |e2m1| 0, .5, 1, 1.5, 2, 3, 4, 6 are 0x0000 3F00 3F80 3FC0 4000 4040 4080 40C0: the low bytes
 # (00 00 80 C0 00 40 80 C0) and the high bytes (00 3F 3F 3F 40 40 40 40) are each one 8-entry prmt table.
-_E2M1_TO_BF16X2_PTX: tl.constexpr = (
+_E2M1_TO_BF16X2_PTX = tl.constexpr(
     "{\n"
     ".reg .b32 a<13>;\n"
     "and.b32 a0, $4, 0x88888888;\n"  # sign bits
@@ -85,7 +85,7 @@ _E2M1_TO_BF16X2_PTX: tl.constexpr = (
 
 # fp16 encodings of |e2m1| are 0x0000 3800 3C00 3E00 4000 4200 4400 4600: the low byte is always zero, so one
 # table gives the high byte and the final prmt puts a zero byte under it.
-_E2M1_TO_F16X2_PTX: tl.constexpr = (
+_E2M1_TO_F16X2_PTX = tl.constexpr(
     "{\n"
     ".reg .b32 a<9>;\n"
     "and.b32 a0, $4, 0x88888888;\n"

@@ -126,7 +126,7 @@ def w4a4_gemm(
     k = 2 * kh
     if k % 16 or block_k < 64 or block_k % 64:
         raise ValueError(f"w4a4_gemm: K = {k} must be a multiple of 16 and block_k ({block_k}) a multiple of 64")
-    check_tensor("w_codes", w_codes, shape=[n, kh])
+    check_tensor("w_codes", w_codes, shape=[None, kh])
     a_scales = as_e4m3("a_scales", a_scales)
     w_scales = as_e4m3("w_scales", w_scales)
     check_tensor("a_scales", a_scales, shape=[m, k // 16], last_dim_contiguous=True)

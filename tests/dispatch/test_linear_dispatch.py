@@ -1,0 +1,54 @@
+"""The linear dispatch table: its choices, and every Triton W4A4 tile it can return compiled for sm_120."""
+
+import pytest
+
+from vllm_nvfp4_sm120.dispatch.linear import ROUTES, all_linear_plans, select_linear, small_t_threshold
+from vllm_nvfp4_sm120.kernels.aot import SASS_OMMA_NVFP4, compile_kernel
+from vllm_nvfp4_sm120.kernels.w4a4_gemm import W4A4_DIVISIBLE, W4A4_SIGNATURE
+
+
+@pytest.mark.parametrize("route", ["triton", "cublas", "b12x", "w4a16"])
+def test_small_batches_go_to_w4a16(route):
+    limit = small_t_threshold(120, route)
+    assert limit >= 8
+    for t in (1, limit):
+        assert select_linear(120, route, t, 5120, 5120).kernel.startswith("w4a16")
+    assert select_linear(120, route, limit + 1, 5120, 5120).is_w4a4 == (route != "w4a16")
+
+
+def test_b12x_and_cublas_thresholds_from_issue():
+    assert small_t_threshold(120, "b12x") == 8
+    assert small_t_threshold(120, "cublas") == 16
+
+
+def test_vendor_routes_are_sm120_only():
+    with pytest.raises(ValueError, match="route 'cublas' has no kernels for compute capability 90"):
+        select_linear(90, "cublas", 4096, 5120, 5120)
+    assert select_linear(90, "triton", 4096, 5120, 5120).kernel == "w4a4_triton"
+
+
+def test_unknown_route():
+    with pytest.raises(ValueError, match=r"route: expected one of"):
+        select_linear(120, "cutlass", 1, 8, 16)
+
+
+def test_every_route_answers_every_t():
+    for route in ROUTES:
+        for t in (0, 1, 16, 17, 100_000):
+            assert select_linear(120, route, t, 5120, 5120) in all_linear_plans()
+
+
+W4A4_TILES = sorted({p.params for p in all_linear_plans() if p.kernel == "w4a4_triton"})
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("params", W4A4_TILES, ids=lambda p: "-".join(f"{k}{v}" for k, v in p))
+def test_w4a4_tiles_compile_for_sm120(params):
+    tile = dict(params)
+    rep = compile_kernel(
+        "vllm_nvfp4_sm120.kernels.w4a4_gemm:_w4a4_gemm_kernel", W4A4_SIGNATURE,
+        dict(HAS_BIAS=True, DECODE=False, BLOCK_M=tile["block_m"], BLOCK_N=tile["block_n"],
+             BLOCK_K=tile["block_k"], GROUP_M=8),
+        divisible=W4A4_DIVISIBLE, num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+    )
+    rep.require_sass(SASS_OMMA_NVFP4).require_no_local().require_smem()

@@ -1,0 +1,184 @@
+"""Kernel benchmarks on the GPU present: ``python -m vllm_nvfp4_sm120.bench linear|ceilings [options]``.
+
+Runs without vLLM (the H200 used for measurements has none).  Method, so the numbers can be trusted:
+- every candidate is timed side by side in one process, on the same inputs, as a median over repeats;
+- each weight is replicated into ``copies`` distinct buffers totalling ≥ ``--min-bytes`` (2 GB), and one timed
+  run calls the kernel once per copy, so every call reads its weight from DRAM, not from the 50 MB L2;
+- the calls of one run are captured in a CUDA graph and the graph is replayed, so launch gaps do not count;
+- the DRAM read bandwidth and the cuBLAS bf16 rate are measured in the same run as ceilings.
+Results print as a table and, with ``--json``, as machine-readable rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .format import NvFp4, random_nvfp4, unit_values
+
+MODELS = {  # (name, N, K) of the linears of one decoder layer, unsharded
+    "qwen3-32b": [("qkv", 10240, 5120), ("o", 5120, 8192), ("gate_up", 51200, 5120), ("down", 5120, 25600)],
+    "llama-3.3-70b": [("qkv", 10240, 8192), ("o", 8192, 8192), ("gate_up", 57344, 8192), ("down", 8192, 28672)],
+}
+TOKENS = (1, 2, 4, 8, 16, 32, 128, 2048, 8192)
+
+
+@dataclass
+class Row:
+    model: str
+    layer: str
+    n: int
+    k: int
+    t: int
+    kernel: str
+    us: float  # median microseconds per call
+    tflops: float
+    read_tbs: float  # weight (codes + scales) bytes read per second, TB/s
+    note: str = ""
+
+
+def time_graph(fn: Callable[[], object], repeats: int = 20) -> float:
+    """Median seconds of one replay of a CUDA graph capturing ``fn`` (which may launch many kernels)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # warm up: compile and autotune outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def dram_read_tbs(nbytes: int = 4 << 30) -> float:
+    """Read bandwidth ceiling: a sum over a buffer 80x larger than L2 (reads dominate; the write is one scalar)."""
+    x = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    out = torch.empty((), device="cuda")
+    sec = time_graph(lambda: torch.sum(x, out=out))
+    return nbytes / sec / 1e12
+
+
+def cublas_bf16_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    sec = time_graph(lambda: a @ b)
+    return 2 * n**3 / sec / 1e12
+
+
+def _copies(bytes_per_copy: int, min_bytes: int) -> int:
+    return max(1, -(-min_bytes // bytes_per_copy))
+
+
+def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: list[str]) -> list[Row]:
+    from .dispatch.ops import LINEAR_KERNELS
+    from .dispatch.linear import select_linear
+
+    cc = torch.cuda.get_device_capability()
+    cc = cc[0] * 10 + cc[1]
+    gen = torch.Generator().manual_seed(0)
+    rows: list[Row] = []
+    for model in models:
+        for layer, n, k in MODELS[model]:
+            wbytes = n * k // 2 + n * k // 16
+            copies = _copies(wbytes, min_bytes)
+            base = random_nvfp4((n, k), gen=gen, device="cuda")
+            ws = [base] + [NvFp4(base.codes.clone(), base.scales.clone()) for _ in range(copies - 1)]
+            dec_rows = torch.full((n,), 0.01, device="cuda")
+            in_enc = torch.tensor(100.0, device="cuda")
+            alpha = torch.tensor(0.01 * 0.01, device="cuda")
+            w_bf16 = None
+            for t in tokens:
+                x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
+                flops = 2 * t * n * k
+                candidates: dict[str, Callable[[], object]] = {}
+                if "w4a16" in kernels:
+                    plan = select_linear(cc, "w4a16", t, n, k)
+                    run = LINEAR_KERNELS[plan.kernel]
+                    candidates[f"ours-w4a16 ({plan.kernel})"] = lambda run=run, plan=plan: [
+                        run(x, w.codes, w.scales, dec_rows, None, None, None, None, **plan.kwargs) for w in ws]
+                if "w4a4" in kernels:
+                    plan = select_linear(cc, "triton", max(t, 17), n, k)  # force the W4A4 GEMM at every T
+                    run = LINEAR_KERNELS[plan.kernel]
+                    candidates[f"ours-w4a4 ({plan.kernel}, emulated MMA below sm_120)"] = lambda run=run, plan=plan: [
+                        run(x, w.codes, w.scales, dec_rows, None, in_enc, alpha, None, **plan.kwargs) for w in ws]
+                if "cublas-bf16" in kernels:
+                    if w_bf16 is None:
+                        wb = unit_values(ws[0].codes, ws[0].scales).to(torch.bfloat16)
+                        w_bf16 = [wb] + [wb.clone() for _ in range(_copies(2 * n * k, min_bytes) - 1)]
+                    candidates["cublas-bf16 (dequantized weight)"] = lambda: [x @ w.t() for w in w_bf16]
+                if "naive" in kernels:
+                    candidates["torch dequant + matmul"] = lambda: x @ unit_values(ws[0].codes, ws[0].scales).to(
+                        torch.bfloat16).t()
+                for name, fn in candidates.items():
+                    calls = len(w_bf16) if name.startswith("cublas") else (1 if name.startswith("torch") else copies)
+                    sec = time_graph(fn) / calls
+                    read = (2 * n * k if name.startswith("cublas") else wbytes) / sec / 1e12
+                    rows.append(Row(model, layer, n, k, t, name, sec * 1e6, flops / sec / 1e12, read))
+                    print(_fmt(rows[-1]), flush=True)
+            del ws, w_bf16
+            torch.cuda.empty_cache()
+    return rows
+
+
+def bench_act_quant(ks: list[int], tokens: list[int]) -> list[Row]:
+    from .kernels.act_quant import quantize_act_nvfp4
+
+    rows = []
+    in_enc = torch.tensor(100.0, device="cuda")
+    for k in ks:
+        for t in tokens:
+            xs = [torch.randn(t, k, device="cuda").to(torch.bfloat16) for _ in range(_copies(2 * t * k, 1 << 30))]
+            sec = time_graph(lambda: [quantize_act_nvfp4(x, in_enc) for x in xs]) / len(xs)
+            moved = 2 * t * k + t * k // 2 + t * k // 16
+            rows.append(Row("-", "act_quant", 0, k, t, "ours-act-quant", sec * 1e6, 0.0, 2 * t * k / sec / 1e12,
+                            f"{moved / sec / 1e12:.2f} TB/s read+write"))
+            print(_fmt(rows[-1]), flush=True)
+    return rows
+
+
+def _fmt(r: Row) -> str:
+    return (f"{r.model:14} {r.layer:9} {r.n:6} {r.k:6} {r.t:5}  {r.kernel:58} {r.us:10.1f} us "
+            f"{r.tflops:8.1f} TFLOP/s {r.read_tbs:6.2f} TB/s {r.note}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m vllm_nvfp4_sm120.bench")
+    p.add_argument("what", choices=["linear", "act_quant", "ceilings"])
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--kernels", default="w4a16,w4a4,cublas-bf16,naive")
+    p.add_argument("--min-bytes", type=float, default=2e9)
+    p.add_argument("--json", help="write rows as JSON here")
+    args = p.parse_args(argv)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    ceil = {"dram_read_tbs": dram_read_tbs(), "cublas_bf16_tflops_8192": cublas_bf16_tflops()}
+    print(f"# ceilings: DRAM read {ceil['dram_read_tbs']:.2f} TB/s, cuBLAS bf16 8192^3 "
+          f"{ceil['cublas_bf16_tflops_8192']:.0f} TFLOP/s", flush=True)
+    rows: list[Row] = []
+    if args.what == "linear":
+        rows = bench_linear(args.models.split(","), tokens, int(args.min_bytes), args.kernels.split(","))
+    elif args.what == "act_quant":
+        rows = bench_act_quant([5120, 8192, 25600, 28672], tokens)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ceilings": ceil, "rows": [asdict(r) for r in rows]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

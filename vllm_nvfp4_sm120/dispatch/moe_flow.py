@@ -1,0 +1,126 @@
+"""The NVFP4 MoE layer as the algorithm reads, one kernel per step; every tile and switch comes from the plan.
+
+    align routes to experts → gate_up GEMM (+ gated activation) → down GEMM (+ routing weight) → top-k sum
+
+The gated activation is the gate_up GEMM's epilogue (W4A4: it also quantizes the intermediate to NVFP4), and the
+routing weight is the down GEMM's; the top-k sum is fp32 atomics into ``[T, H]`` or, ``deterministic``, a
+per-route buffer ``[T * top_k, H]`` summed in slot order.  Every buffer is sized from shapes (T, top_k, E, block
+size), nothing reads a device value on the host: the function is CUDA-graph safe and can be a torch custom op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..format import GlobalScale, NvFp4, moe_ref
+from ..format.checks import ACT_DTYPES, check_tensor
+from .moe import MoePlan, select_moe_plan
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def plan_for(x, w13_codes, w2_codes, topk_ids, *, w4a4: bool, expert_map=None) -> MoePlan:
+    """The dispatch's plan for this call (what :func:`nvfp4_moe` runs)."""
+    global_e = expert_map.shape[0] if expert_map is not None else w13_codes.shape[0]
+    return select_moe_plan(
+        _capability(x.device), num_tokens=x.shape[0], top_k=topk_ids.shape[1], global_experts=global_e,
+        hidden=x.shape[1], intermediate=w2_codes.shape[2] * 2, w4a4=w4a4,
+    )
+
+
+def nvfp4_moe(
+    x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, *,
+    a13_enc=None, a2_enc=None, expert_map=None, activation: str = "silu", deterministic: bool = False, out=None,
+    plan: MoePlan | None = None,
+) -> torch.Tensor:
+    """An NVFP4 MoE layer: ``out [T, H] = sum_k topk_weights * down(act(gate) * up)`` over the routed experts.
+
+    ``x [T, H]`` bf16/fp16; ``w13`` codes ``[E, 2I, H/2]`` (gate rows, then up rows), e4m3 scales
+    ``[E, 2I, H/16]``, decode globals ``w13_dec [E]``; ``w2`` codes ``[E, H, I/2]``, scales ``[E, H, I/16]``,
+    ``w2_dec [E]``; ``topk_weights [T, k]`` fp32, ``topk_ids [T, k]`` int32/int64 (global ids, mapped by
+    ``expert_map [global_E]`` int32 to local ids or -1).  ``a13_enc`` / ``a2_enc``: one-element fp32 *encode*
+    scales of the gate_up and down inputs (W4A4 checkpoints); the plan uses them from a few tokens per expert
+    on.  CPU tensors: the torch reference in the form the plan selects.  ``plan`` overrides the dispatch (tests).
+    """
+    check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
+    t, h = x.shape
+    if (a13_enc is None) != (a2_enc is None):
+        raise ValueError("a13_enc and a2_enc: give both (W4A4) or neither (W4A16)")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    check_tensor("topk_ids", topk_ids, dtype=(torch.int32, torch.int64), ndim=2)
+    check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=[t, topk_ids.shape[1]])
+    check_tensor("topk_ids", topk_ids, shape=[t, None])
+    if out is None:
+        out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    check_tensor("out", out, dtype=x.dtype, shape=[t, h], last_dim_contiguous=True)
+    if plan is None:
+        plan = plan_for(x, w13_codes, w2_codes, topk_ids, w4a4=a13_enc is not None, expert_map=expert_map)
+    if plan.kernel == "w4a4" and a13_enc is None:
+        raise ValueError("plan: a W4A4 plan needs the activation scales a13_enc and a2_enc")
+
+    if x.device.type != "cuda" and plan.backend == "torch":
+        return out.copy_(_reference(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights,
+                                     topk_ids, a13_enc, a2_enc, expert_map, activation, plan))
+    if x.device.type != "cuda" and not _interpreting():
+        return out.copy_(_reference(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights,
+                                     topk_ids, a13_enc, a2_enc, expert_map, activation, plan))
+    return _run_kernels(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
+                        a13_enc, a2_enc, expert_map, activation, deterministic, out, plan)
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _reference(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
+               a13_enc, a2_enc, expert_map, activation, plan: MoePlan):
+    w4a4 = plan.kernel == "w4a4"
+    return moe_ref(
+        x, NvFp4(w13_codes, w13_scales), w13_dec, NvFp4(w2_codes, w2_scales), w2_dec, topk_weights, topk_ids,
+        activation=activation, expert_map=expert_map,
+        a13_gs=GlobalScale.from_encode(a13_enc) if w4a4 else None,
+        a2_gs=GlobalScale.from_encode(a2_enc) if w4a4 else None,
+    )
+
+
+def _run_kernels(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
+                 a13_enc, a2_enc, expert_map, activation, deterministic, out, plan: MoePlan):
+    from ..kernels.moe_align import moe_align, moe_sum
+    from ..kernels.moe_w4a4 import moe_quant_input, moe_w4a4_down, moe_w4a4_gate_up
+    from ..kernels.moe_w4a16 import moe_w4a16_down, moe_w4a16_gate_up
+
+    t, h = x.shape
+    top_k = topk_ids.shape[1]
+    if t == 0:
+        return out
+    # The top-k sum: fp32 atomics into [T, H], or one row per route summed in slot order.
+    acc = torch.zeros((t * top_k if deterministic else t, h), dtype=torch.float32, device=x.device)
+
+    # 1. Align routes to experts: sorted route ids padded per expert to BLOCK_M rows.
+    align = moe_align(topk_ids, w13_codes.shape[0], plan.block_m, expert_map=expert_map)
+
+    if plan.kernel == "w4a16":
+        # 2-3. gate_up GEMM with the gated activation in its epilogue → intermediate [T * top_k, I].
+        inter = moe_w4a16_gate_up(x, w13_codes, w13_scales, w13_dec, align, activation=activation,
+                                  **plan.gate_up_kwargs())
+        # 4. down GEMM, routing weight in its epilogue, summed over the top-k routes.
+        moe_w4a16_down(inter, w2_codes, w2_scales, w2_dec, topk_weights, align, acc, deterministic=deterministic,
+                       **plan.down_kwargs())
+    else:
+        # 2-3. Quantize the input, then gate_up GEMM with activation + NVFP4 quantization in its epilogue.
+        a_codes, a_scales = moe_quant_input(x, a13_enc)
+        i_codes, i_scales = moe_w4a4_gate_up(a_codes, a_scales, w13_codes, w13_scales, w13_dec, a13_enc, a2_enc,
+                                             align, activation=activation, **plan.gate_up_kwargs())
+        # 4. down GEMM on the FP4 intermediate, routing weight in its epilogue, summed over the top-k routes.
+        moe_w4a4_down(i_codes, i_scales, w2_codes, w2_scales, w2_dec, a2_enc, topk_weights, align, acc,
+                      deterministic=deterministic, **plan.down_kwargs())
+
+    # 5. fp32 sum → x.dtype (slot order in deterministic mode).
+    return moe_sum(acc, top_k if deterministic else 1, out)

@@ -1,0 +1,412 @@
+"""W4A4 NVFP4 MoE: FP4 x FP4 grouped GEMMs on ``tl.dot_scaled``, intermediate quantized in the epilogue.
+
+Flow (rows laid out by :func:`.moe_align.moe_align`):
+
+* ``_moe_quant_rows_kernel``: the layer input ``x [T, H]`` → NVFP4 codes ``[T, H/2]`` + e4m3 scales ``[T, H/16]``
+  with the gate_up input's static encode scale ``a13_enc`` (once per token, not per route).
+* ``_moe_w4a4_gate_up_kernel``: gate rows ``n`` and up rows ``I + n`` of expert e in one program (two
+  accumulators); the epilogue applies ``alpha = w13_dec[e] / a13_enc``, the gated activation in fp32, and
+  quantizes the result straight to NVFP4 with the down input's static encode scale ``a2_enc``: codes
+  ``[R, I/2]`` + scales ``[R, I/16]``.  No bf16 intermediate in memory, no separate activation or quant kernel.
+* ``_moe_w4a4_down_kernel``: ``alpha = w2_dec[e] / a2_enc``, times the routing weight, summed over the top-k
+  routes into the fp32 output (atomics, or the deterministic per-route buffer; :func:`.moe_align.moe_route_store`).
+
+The quantizer (:func:`nvfp4_quantize_tile`) follows ``format.quantize_nvfp4`` operation by operation in fp32,
+with exact integer rounding to e4m3 and e2m1 (ties to even), so given the same fp32 inputs its codes and scales
+are bit-identical.  (The fp32 inputs themselves differ from the torch reference in the last ulps: summation
+order and ``exp``.)
+
+``DECODE=False``: native NVFP4 MMA (``OMMA...E2M1.E2M1.UE4M3.4X`` on sm_120; Triton >= 3.8 emulates it exactly
+on sm_90).  ``DECODE=True``: exact pure-``tl`` decode + fp16 ``tl.dot`` (the interpreter's path).  Weights are
+read as ``[BLOCK_K/2, BLOCK_N]`` (K-packed), as ``kernels/w4a4_gemm.py`` explains.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .fp4_decode import expand_scales_f32, unpack_rows_f32
+from .moe_align import MoeAlignment, moe_block_rows, moe_route_store
+from .moe_w4a16 import ACTIVATIONS, _check_bank, gated_activation_f32
+
+# ---------------------------------------------------------------------------------------------------------------
+# NVFP4 quantization of an fp32 tile, bit-exact with format.quantize_nvfp4
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _reciprocal(x):
+    # 1/0 -> 0, as format.quant._reciprocal (an all-zero block stays zero instead of 0 * inf = NaN).
+    return tl.where(x == 0.0, 0.0, 1.0 / tl.where(x == 0.0, 1.0, x))
+
+
+@triton.jit
+def _round_to_e4m3(s):
+    """Round ``s`` in [0, 448] to the nearest e4m3 value, ties to even, with exact integer arithmetic.
+
+    The step of e4m3 around ``s`` is 2^(max(exp(s), -6) - 3); ``s / step`` < 16 is exact, so rounding it to an
+    integer (ties to even) and scaling back is exactly what a round-to-nearest-even conversion does.
+    """
+    exp = ((s.to(tl.int32, bitcast=True) >> 23) & 255) - 127
+    step_exp = tl.maximum(exp, -6) - 3
+    step = ((step_exp + 127) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((127 - step_exp) << 23).to(tl.float32, bitcast=True)
+    w = s * inv_step
+    n = w.to(tl.int32)  # truncation = floor for w >= 0
+    frac = w - n.to(tl.float32)
+    n += ((frac > 0.5) | ((frac == 0.5) & ((n & 1) == 1))).to(tl.int32)
+    return n.to(tl.float32) * step
+
+
+@triton.jit
+def _e4m3_bits(q):
+    """Bit pattern (int32 0..126) of an exactly representable non-negative e4m3 value."""
+    bits = q.to(tl.int32, bitcast=True)
+    normal = (((((bits >> 23) & 255) - 120) << 3) | ((bits >> 20) & 7))
+    return tl.where(q >= 0.015625, normal, (q * 512.0).to(tl.int32))
+
+
+@triton.jit
+def _round_to_e2m1(v):
+    """fp32 in [-6, 6] → e2m1 code (int32 0..15): nearest, ties to even, sign from the sign bit (-0 → 8)."""
+    mag = tl.abs(v)
+    code = (mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
+    code += (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
+    code += (mag > 5.0).to(tl.int32)
+    sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+    return code | (sign << 3)
+
+
+@triton.jit
+def nvfp4_quantize_tile(v, enc, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """fp32 ``[ROWS, COLS]`` → (packed codes ``[ROWS, COLS/2]`` u8, e4m3 scale bytes ``[ROWS, COLS/16]`` u8).
+
+    Same fp32 operations in the same order as ``format.quantize_nvfp4``:
+    ``scale = e4m3(min(enc * (amax * (1/6)), 448))``, ``code = e2m1(clamp(v * 1/(scale * (1/enc)), -6, 6))``.
+    """
+    blocks = tl.reshape(v, (ROWS, COLS // 16, 16))
+    amax = tl.max(tl.abs(blocks), axis=2)
+    scale = _round_to_e4m3(tl.minimum(enc * (amax * 0.16666666666666666), 448.0))
+    elem_scale = _reciprocal(scale * _reciprocal(enc))
+    scaled = tl.minimum(tl.maximum(blocks * elem_scale[:, :, None], -6.0), 6.0)
+    codes = tl.reshape(_round_to_e2m1(scaled), (ROWS, COLS // 2, 2))
+    lo, hi = tl.split(codes)
+    return (lo | (hi << 4)).to(tl.uint8), _e4m3_bits(scale).to(tl.uint8)
+
+
+MOE_QUANT_SIGNATURE = {
+    "x_ptr": "*bf16", "enc_ptr": "*fp32", "codes_ptr": "*u8", "sf_ptr": "*u8",
+    "T": "i32", "H": "i32", "stride_xm": "i32", "stride_cm": "i32", "stride_sm": "i32",
+    "BLOCK_T": "constexpr", "BLOCK_H": "constexpr",
+}
+MOE_QUANT_DIVISIBLE = ["x_ptr", "enc_ptr", "codes_ptr", "sf_ptr", "H", "stride_xm", "stride_cm", "stride_sm"]
+
+
+@triton.jit
+def _moe_quant_rows_kernel(
+    x_ptr, enc_ptr, codes_ptr, sf_ptr, T, H, stride_xm, stride_cm, stride_sm,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t_ok = offs_t < T
+    rows = offs_t[:, None].to(tl.int64)
+    x = tl.load(x_ptr + rows * stride_xm + offs_h[None, :], mask=t_ok[:, None] & (offs_h < H)[None, :], other=0.0)
+    codes, sf = nvfp4_quantize_tile(x.to(tl.float32), tl.load(enc_ptr), BLOCK_T, BLOCK_H)
+    offs_c = tl.program_id(1) * (BLOCK_H // 2) + tl.arange(0, BLOCK_H // 2)
+    offs_s = tl.program_id(1) * (BLOCK_H // 16) + tl.arange(0, BLOCK_H // 16)
+    tl.store(codes_ptr + rows * stride_cm + offs_c[None, :], codes, mask=t_ok[:, None] & (offs_c < H // 2)[None, :])
+    tl.store(sf_ptr + rows * stride_sm + offs_s[None, :], sf, mask=t_ok[:, None] & (offs_s < H // 16)[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Grouped FP4 x FP4 GEMMs
+# ---------------------------------------------------------------------------------------------------------------
+
+_COMMON = {"sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32"}
+MOE_W4A4_GATE_UP_SIGNATURE = {
+    "a_ptr": "*u8", "a_sf_ptr": "*u8", "w_ptr": "*u8", "w_sf_ptr": "*u8", "w_dec_ptr": "*fp32",
+    "a13_enc_ptr": "*fp32", "a2_enc_ptr": "*fp32", "out_ptr": "*u8", "out_sf_ptr": "*u8", **_COMMON,
+    "R": "i32", "I": "i32", "K": "i32", "top_k": "i32", "max_blocks": "i32",
+    "stride_am": "i32", "stride_asm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_wse": "i32",
+    "stride_wsn": "i32", "stride_om": "i32", "stride_osm": "i32",
+    "ACTIVATION": "constexpr", "DECODE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+    "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
+}
+MOE_W4A4_DOWN_SIGNATURE = {
+    "a_ptr": "*u8", "a_sf_ptr": "*u8", "w_ptr": "*u8", "w_sf_ptr": "*u8", "w_dec_ptr": "*fp32",
+    "a2_enc_ptr": "*fp32", "topk_w_ptr": "*fp32", "out_ptr": "*fp32", **_COMMON,
+    "R": "i32", "N": "i32", "K": "i32", "top_k": "i32", "max_blocks": "i32",
+    "stride_am": "i32", "stride_asm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_wse": "i32",
+    "stride_wsn": "i32", "stride_om": "i32",
+    "DETERMINISTIC": "constexpr", "DECODE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+    "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
+}
+_DIV_INTS = ["I", "N", "K", "stride_am", "stride_asm", "stride_we", "stride_wn", "stride_wse", "stride_wsn",
+             "stride_om", "stride_osm"]
+MOE_W4A4_GATE_UP_DIVISIBLE = [k for k, v in MOE_W4A4_GATE_UP_SIGNATURE.items() if v.startswith("*")] + [
+    k for k in _DIV_INTS if k in MOE_W4A4_GATE_UP_SIGNATURE]
+MOE_W4A4_DOWN_DIVISIBLE = [k for k, v in MOE_W4A4_DOWN_SIGNATURE.items() if v.startswith("*")] + [
+    k for k in _DIV_INTS if k in MOE_W4A4_DOWN_SIGNATURE]
+
+
+@triton.jit
+def _fp4_dot(a, a_sf, w, w_sf, acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             DECODE: tl.constexpr):
+    """``acc += A @ W^T`` for A codes ``[BM, BK/2]`` and K-packed W codes ``[BK/2, BN]`` with e4m3 scale bytes."""
+    if DECODE:
+        av = unpack_rows_f32(a, BLOCK_M, BLOCK_K) * expand_scales_f32(a_sf, BLOCK_M, BLOCK_K)
+        wv = unpack_rows_f32(tl.trans(w), BLOCK_N, BLOCK_K) * expand_scales_f32(w_sf, BLOCK_N, BLOCK_K)
+        acc = tl.dot(av.to(tl.float16), tl.trans(wv.to(tl.float16)), acc)
+    else:
+        acc = tl.dot_scaled(
+            a, a_sf.to(tl.float8e4nv, bitcast=True), "e2m1",
+            w, w_sf.to(tl.float8e4nv, bitcast=True), "e2m1", acc,
+        )
+    return acc
+
+
+@triton.jit
+def _moe_w4a4_gate_up_kernel(
+    a_ptr, a_sf_ptr, w_ptr, w_sf_ptr, w_dec_ptr, a13_enc_ptr, a2_enc_ptr, out_ptr, out_sf_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    R, I, K, top_k, max_blocks,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
+    ACTIVATION: tl.constexpr, DECODE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    num_n = tl.cdiv(I, BLOCK_N)
+    live, pid_n, e, route, row_ok = moe_block_rows(
+        tl.program_id(0), sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, R, max_blocks, num_n, BLOCK_M, GROUP_M)
+    if live:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_kb = tl.arange(0, BLOCK_K // 2)
+        offs_ks = tl.arange(0, BLOCK_K // 16)
+        n_ok = offs_n < I
+        token = (route // top_k)[:, None].to(tl.int64)
+
+        a_ptrs = a_ptr + token * stride_am + offs_kb[None, :]
+        a_sf_ptrs = a_sf_ptr + token * stride_asm + offs_ks[None, :]
+        # Gate rows n and up rows I + n: both halves of an output column in this program, for the epilogue.
+        wg_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_kb[:, None]
+        wu_ptrs = wg_ptrs + I * stride_wn
+        sg_ptrs = w_sf_ptr + e * stride_wse + offs_n[:, None].to(tl.int64) * stride_wsn + offs_ks[None, :]
+        su_ptrs = sg_ptrs + I * stride_wsn
+
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            # Zero codes and zero scales past K contribute exactly 0, so a K tail needs no special case.
+            kb_ok = (k0 // 2 + offs_kb) < K // 2
+            ks_ok = (k0 // 16 + offs_ks) < K // 16
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & kb_ok[None, :], other=0)
+            a_sf = tl.load(a_sf_ptrs, mask=row_ok[:, None] & ks_ok[None, :], other=0)
+            wg = tl.load(wg_ptrs, mask=kb_ok[:, None] & n_ok[None, :], other=0)
+            wu = tl.load(wu_ptrs, mask=kb_ok[:, None] & n_ok[None, :], other=0)
+            sg = tl.load(sg_ptrs, mask=n_ok[:, None] & ks_ok[None, :], other=0)
+            su = tl.load(su_ptrs, mask=n_ok[:, None] & ks_ok[None, :], other=0)
+            acc_g = _fp4_dot(a, a_sf, wg, sg, acc_g, BLOCK_M, BLOCK_N, BLOCK_K, DECODE)
+            acc_u = _fp4_dot(a, a_sf, wu, su, acc_u, BLOCK_M, BLOCK_N, BLOCK_K, DECODE)
+            a_ptrs += BLOCK_K // 2
+            a_sf_ptrs += BLOCK_K // 16
+            wg_ptrs += BLOCK_K // 2
+            wu_ptrs += BLOCK_K // 2
+            sg_ptrs += BLOCK_K // 16
+            su_ptrs += BLOCK_K // 16
+
+        # alpha as the reference forms it: weight decode x input decode (1 / enc, IEEE division).
+        alpha = tl.load(w_dec_ptr + e) * _reciprocal(tl.load(a13_enc_ptr))
+        inter = gated_activation_f32(acc_g * alpha, acc_u * alpha, ACTIVATION)
+        # BLOCK_N and I are multiples of 16, so every NVFP4 block of the intermediate lies in one tile.
+        codes, sf = nvfp4_quantize_tile(inter, tl.load(a2_enc_ptr), BLOCK_M, BLOCK_N)
+        offs_c = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        offs_s = pid_n * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
+        rows = route[:, None].to(tl.int64)
+        tl.store(out_ptr + rows * stride_om + offs_c[None, :], codes,
+                 mask=row_ok[:, None] & (offs_c < I // 2)[None, :])
+        tl.store(out_sf_ptr + rows * stride_osm + offs_s[None, :], sf,
+                 mask=row_ok[:, None] & (offs_s < I // 16)[None, :])
+
+
+@triton.jit
+def _moe_w4a4_down_kernel(
+    a_ptr, a_sf_ptr, w_ptr, w_sf_ptr, w_dec_ptr, a2_enc_ptr, topk_w_ptr, out_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    R, N, K, top_k, max_blocks,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    DETERMINISTIC: tl.constexpr, DECODE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    num_n = tl.cdiv(N, BLOCK_N)
+    live, pid_n, e, route, row_ok = moe_block_rows(
+        tl.program_id(0), sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, R, max_blocks, num_n, BLOCK_M, GROUP_M)
+    if live:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_kb = tl.arange(0, BLOCK_K // 2)
+        offs_ks = tl.arange(0, BLOCK_K // 16)
+        n_ok = offs_n < N
+        rows = route[:, None].to(tl.int64)
+
+        a_ptrs = a_ptr + rows * stride_am + offs_kb[None, :]
+        a_sf_ptrs = a_sf_ptr + rows * stride_asm + offs_ks[None, :]
+        w_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_kb[:, None]
+        s_ptrs = w_sf_ptr + e * stride_wse + offs_n[:, None].to(tl.int64) * stride_wsn + offs_ks[None, :]
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kb_ok = (k0 // 2 + offs_kb) < K // 2
+            ks_ok = (k0 // 16 + offs_ks) < K // 16
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & kb_ok[None, :], other=0)
+            a_sf = tl.load(a_sf_ptrs, mask=row_ok[:, None] & ks_ok[None, :], other=0)
+            w = tl.load(w_ptrs, mask=kb_ok[:, None] & n_ok[None, :], other=0)
+            s = tl.load(s_ptrs, mask=n_ok[:, None] & ks_ok[None, :], other=0)
+            acc = _fp4_dot(a, a_sf, w, s, acc, BLOCK_M, BLOCK_N, BLOCK_K, DECODE)
+            a_ptrs += BLOCK_K // 2
+            a_sf_ptrs += BLOCK_K // 16
+            w_ptrs += BLOCK_K // 2
+            s_ptrs += BLOCK_K // 16
+
+        alpha = tl.load(w_dec_ptr + e) * _reciprocal(tl.load(a2_enc_ptr))
+        weight = tl.load(topk_w_ptr + route, mask=row_ok, other=0.0)
+        moe_route_store(out_ptr, (acc * alpha) * weight[:, None], route, row_ok, offs_n, n_ok, top_k, stride_om,
+                        DETERMINISTIC)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_enc(name: str, enc):
+    import torch
+
+    from ..format.checks import check_tensor
+
+    check_tensor(name, enc, dtype=torch.float32)
+    if enc.numel() != 1:
+        raise ValueError(f"{name}: expected one fp32 encode scale (a device tensor), got shape {list(enc.shape)}")
+    return enc.reshape(1)
+
+
+def moe_quant_input(x, a13_enc, *, codes=None, scales=None):
+    """``x [T, H]`` (bf16/fp16, rows may be strided) → NVFP4 ``(codes [T, H/2] u8, scales [T, H/16] u8)``.
+
+    Bit-identical to ``format.quantize_nvfp4(x, GlobalScale.from_encode(a13_enc))`` (scales as raw e4m3 bytes).
+    """
+    import torch
+
+    from ..format.checks import ACT_DTYPES, check_tensor
+
+    check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
+    enc = _check_enc("a13_enc", a13_enc)
+    t, h = x.shape
+    if h % 16:
+        raise ValueError(f"x: H = {h} must be a multiple of 16 (one e4m3 scale per 16 values)")
+    if codes is None:
+        codes = torch.empty((t, h // 2), dtype=torch.uint8, device=x.device)
+    if scales is None:
+        scales = torch.empty((t, h // 16), dtype=torch.uint8, device=x.device)
+    if t == 0:
+        return codes, scales
+    block_t, block_h = 16, min(256, triton.next_power_of_2(h))
+    _moe_quant_rows_kernel[(triton.cdiv(t, block_t), triton.cdiv(h, block_h))](
+        x, enc, codes, scales, t, h, x.stride(0), codes.stride(0), scales.stride(0),
+        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
+    )
+    return codes, scales
+
+
+def moe_w4a4_gate_up(
+    a_codes, a_scales, w13_codes, w13_scales, w13_dec, a13_enc, a2_enc, align: MoeAlignment, *,
+    activation: str = "silu", decode: bool = False, block_n: int = 64, block_k: int = 128, group_m: int = 8,
+    num_warps: int = 4, num_stages: int = 3, out_codes=None, out_scales=None,
+):
+    """NVFP4 intermediate per route: ``quant_a2(act(gate) * up)`` → ``(codes [R, I/2] u8, scales [R, I/16] u8)``.
+
+    ``a_codes``/``a_scales``: the layer input quantized with ``a13_enc`` (:func:`moe_quant_input`), one row per
+    token.  Rows of routes that no local expert takes are left unwritten.
+    """
+    import torch
+
+    from ..format.checks import check_tensor
+
+    check_tensor("a_codes", a_codes, dtype=torch.uint8, ndim=2, last_dim_contiguous=True)
+    t, hh = a_codes.shape
+    h = 2 * hh
+    check_tensor("a_scales", a_scales, dtype=(torch.uint8, torch.float8_e4m3fn), shape=[t, h // 16],
+                 last_dim_contiguous=True)
+    w_sf, _, two_i, _ = _check_bank("w13", w13_codes, w13_scales, w13_dec, None, h)
+    if two_i % 32:
+        raise ValueError(f"w13_codes: 2I = {two_i} rows must be gate and up halves of I % 16 == 0")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    if block_k < 64 or block_k % 64 or block_n % 16:
+        raise ValueError(f"moe_w4a4_gate_up: block_k ({block_k}) must be a multiple of 64 (dot_scaled K >= 64) "
+                         f"and block_n ({block_n}) a multiple of 16")
+    i, r = two_i // 2, align.num_routes
+    if r != t * align.top_k:
+        raise ValueError(f"align: built for {r} routes, a_codes has {t} tokens x top_k {align.top_k}")
+    if out_codes is None:
+        out_codes = torch.empty((r, i // 2), dtype=torch.uint8, device=a_codes.device)
+    if out_scales is None:
+        out_scales = torch.empty((r, i // 16), dtype=torch.uint8, device=a_codes.device)
+    check_tensor("out_codes", out_codes, dtype=torch.uint8, shape=[r, i // 2], last_dim_contiguous=True)
+    check_tensor("out_scales", out_scales, dtype=torch.uint8, shape=[r, i // 16], last_dim_contiguous=True)
+    if r == 0:
+        return out_codes, out_scales
+    grid = (align.max_blocks * triton.cdiv(i, block_n),)
+    _moe_w4a4_gate_up_kernel[grid](
+        a_codes, a_scales.view(torch.uint8), w13_codes, w_sf, w13_dec,
+        _check_enc("a13_enc", a13_enc), _check_enc("a2_enc", a2_enc), out_codes, out_scales,
+        align.sorted_ids, align.expert_ids, align.num_padded,
+        r, i, h, align.top_k, align.max_blocks,
+        a_codes.stride(0), a_scales.stride(0), w13_codes.stride(0), w13_codes.stride(1), w_sf.stride(0),
+        w_sf.stride(1), out_codes.stride(0), out_scales.stride(0),
+        ACTIVATION=activation, DECODE=decode,
+        BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out_codes, out_scales
+
+
+def moe_w4a4_down(
+    a_codes, a_scales, w2_codes, w2_scales, w2_dec, a2_enc, topk_weights, align: MoeAlignment, out, *,
+    deterministic: bool = False, decode: bool = False, block_n: int = 64, block_k: int = 128, group_m: int = 8,
+    num_warps: int = 4, num_stages: int = 3,
+):
+    """``topk_weight * (w2_dec[e] / a2_enc) * (inter_fp4[route] @ w2_fp4[e]^T)`` summed into fp32 ``out``.
+
+    ``out``: zeroed by the caller, ``[T, H]`` (atomic adds) or with ``deterministic`` the per-route ``[R, H]``.
+    """
+    import torch
+
+    from ..format.checks import check_tensor
+
+    r = align.num_routes
+    check_tensor("a_codes", a_codes, dtype=torch.uint8, ndim=2, last_dim_contiguous=True)
+    i = 2 * a_codes.shape[1]
+    check_tensor("a_codes", a_codes, shape=[r, i // 2])
+    check_tensor("a_scales", a_scales, dtype=(torch.uint8, torch.float8_e4m3fn), shape=[r, i // 16],
+                 last_dim_contiguous=True)
+    w_sf, _, h, _ = _check_bank("w2", w2_codes, w2_scales, w2_dec, None, i)
+    if block_k < 64 or block_k % 64:
+        raise ValueError(f"moe_w4a4_down: block_k ({block_k}) must be a multiple of 64 (dot_scaled K >= 64)")
+    check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=[r // max(align.top_k, 1), align.top_k])
+    rows = r if deterministic else r // max(align.top_k, 1)
+    check_tensor("out", out, dtype=torch.float32, shape=[rows, h], last_dim_contiguous=True)
+    if r == 0:
+        return out
+    grid = (align.max_blocks * triton.cdiv(h, block_n),)
+    _moe_w4a4_down_kernel[grid](
+        a_codes, a_scales.view(torch.uint8), w2_codes, w_sf, w2_dec, _check_enc("a2_enc", a2_enc),
+        topk_weights.contiguous(), out,
+        align.sorted_ids, align.expert_ids, align.num_padded,
+        r, h, i, align.top_k, align.max_blocks,
+        a_codes.stride(0), a_scales.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0),
+        w_sf.stride(1), out.stride(0),
+        DETERMINISTIC=deterministic, DECODE=decode,
+        BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

@@ -1,0 +1,493 @@
+"""W4A16 linears on the checkpoint's own NVFP4 weight: ``out[T, N] = (x @ W^T) * w_dec_rows (+ bias)``.
+
+``x`` is bf16/fp16 ``[T, K]`` (rows may be strided); ``W`` is the checkpoint's row-major codes ``[N, K/2]`` (element
+2i in the low nibble) with linear e4m3 block scales ``[N, K/16]``, read as stored: one copy, no repack.  The
+weight is decoded in registers to ``e2m1 * e4m3`` in the activation dtype — exact, at most 5 significant bits —
+and fed to a 16-bit ``tl.dot`` with fp32 accumulation.  The per-tensor decode global is applied per output row
+in the epilogue (``w_dec_rows [N]`` fp32): a fused weight (qkv, gate_up) keeps one global per logical part and
+the caller expands them to rows (``format.LinearProblem.dec_rows``).
+
+Two kernels:
+
+* ``_w4a16_gemv_kernel`` (T = 1..16, decode): streams the weight once.  The MMA is swapped (``W [BN, BK] @
+  x^T [BK, 16]``) so that the weight rows fill the MMA's M = 16.. side and the few tokens its N = 16 side;
+  tokens past T are masked to zero.  Grid ``(N tiles, SPLIT_K, T tiles of 16)``: when N alone gives too few
+  programs to keep DRAM busy, K is split and the fp32 partials go to a workspace ``[SPLIT_K, T, N]`` that a small
+  finish kernel sums **in split order**.  That two-pass reduction was chosen over fp32 atomics because it is
+  deterministic (run to run and batch to batch), needs no zeroing pass before each call, and under CUDA graphs its
+  workspace size depends only on (SPLIT_K, T, N); its extra traffic is ``SPLIT_K * T * N * 8`` bytes, a few percent
+  of the weight for the splits ``suggest_w4a16_config`` picks (and mostly L2-resident).
+* ``_w4a16_gemm_kernel`` (T > 16, prefill): ``x [BM, BK] @ W^T [BK, BN]`` tiles in grouped order, the decoded
+  weight tile reused by BM rows, pipelined loads of x and the packed weight.
+
+``FAST_DECODE=True`` decodes with the lop3/prmt inline-PTX table (sm_80+, sm_90, sm_120; bit-exact);
+``FAST_DECODE=False`` with pure ``tl`` arithmetic, which the interpreter can run (fp16 only there: bf16
+``tl.dot`` is wrong in the interpreter).
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+from .fp4_decode import dequant_rows_16bit
+
+# The MMA's token side: tl.dot needs every dimension >= 16, so the decode kernel pads T up to 16 with masked rows.
+GEMV_BLOCK_T = 16
+# The batch size up to which the decode kernel is the suggested choice.
+GEMV_MAX_T = 16
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decode (small batch) kernel
+# ---------------------------------------------------------------------------------------------------------------
+
+# For the sm_120 compile harness: argument types as the launcher passes them (bf16 activations).
+W4A16_GEMV_SIGNATURE = {
+    "x_ptr": "*bf16", "w_ptr": "*u8", "w_sf_ptr": "*u8", "dec_ptr": "*fp32", "bias_ptr": "*bf16",
+    "out_ptr": "*bf16", "ws_ptr": "*fp32",
+    "T": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32",
+    "stride_xt": "i32", "stride_wn": "i32", "stride_wsn": "i32", "stride_ot": "i32",
+    "HAS_BIAS": "constexpr", "SPLIT": "constexpr", "EVEN_K": "constexpr", "FAST_DECODE": "constexpr",
+    "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "BLOCK_T": "constexpr",
+}
+# What the JIT marks divisible by 16 on real checkpoint shapes (N % 16 == 0, K % 256 == 0).  T is not: it is the
+# batch size.
+W4A16_GEMV_DIVISIBLE = [k for k, v in W4A16_GEMV_SIGNATURE.items() if v.startswith("*")] + [
+    "N", "K", "K_SPLIT", "stride_xt", "stride_wn", "stride_wsn", "stride_ot",
+]
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    x_ptr, w_ptr, w_sf_ptr, dec_ptr, bias_ptr, out_ptr, ws_ptr,
+    T, N, K, K_SPLIT,
+    stride_xt, stride_wn, stride_wsn, stride_ot,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    FAST_DECODE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_t = tl.program_id(2)
+    dtype = x_ptr.dtype.element_ty
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kb = tl.arange(0, BLOCK_K // 2)
+    offs_ks = tl.arange(0, BLOCK_K // 16)
+    n_ok = offs_n < N
+    t_ok = offs_t < T
+
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(K, k_begin + K_SPLIT)
+    # K_SPLIT is a multiple of BLOCK_K; saying so keeps the weight and scale loads 16-byte vectors (Triton
+    # only knows K_SPLIT % 16 == 0, so k_begin // 16 would look unaligned).
+    kb_begin = tl.multiple_of(pid_k * (K_SPLIT // 2), BLOCK_K // 2)
+    ks_begin = tl.multiple_of(pid_k * (K_SPLIT // 16), BLOCK_K // 16)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (kb_begin + offs_kb)[None, :]
+    w_sf_ptrs = w_sf_ptr + offs_n[:, None].to(tl.int64) * stride_wsn + (ks_begin + offs_ks)[None, :]
+    x_ptrs = x_ptr + offs_t[None, :].to(tl.int64) * stride_xt + (k_begin + offs_k)[:, None]  # x^T: [BLOCK_K, BLOCK_T]
+
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        # K_SPLIT is a multiple of BLOCK_K, so only the last tile of the last split can cross K; zero codes and
+        # zero activations past K add exactly 0.  The weight is read once: do not let it push x out of L2.
+        if EVEN_K:
+            # No K mask: the loads stay 16-byte vectors (a mask on K // 16 would split them into bytes).
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0, eviction_policy="evict_first")
+            w_sf = tl.load(w_sf_ptrs, mask=n_ok[:, None], other=0, eviction_policy="evict_first")
+            xt = tl.load(x_ptrs, mask=t_ok[None, :], other=0.0, eviction_policy="evict_last")
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & ((k0 // 2 + offs_kb) < K // 2)[None, :], other=0,
+                        eviction_policy="evict_first")
+            w_sf = tl.load(w_sf_ptrs, mask=n_ok[:, None] & ((k0 // 16 + offs_ks) < K // 16)[None, :], other=0,
+                           eviction_policy="evict_first")
+            xt = tl.load(x_ptrs, mask=((k0 + offs_k) < K)[:, None] & t_ok[None, :], other=0.0,
+                         eviction_policy="evict_last")
+        wv = dequant_rows_16bit(w, w_sf, BLOCK_N, BLOCK_K, dtype, FAST_DECODE)
+        acc = tl.dot(wv, xt, acc)
+        w_ptrs += BLOCK_K // 2
+        w_sf_ptrs += BLOCK_K // 16
+        x_ptrs += BLOCK_K
+
+    mask = n_ok[:, None] & t_ok[None, :]
+    if SPLIT:
+        # Raw fp32 partial sums; the finish kernel adds them in split order and applies the epilogue.
+        ws_ptrs = ws_ptr + (pid_k * T + offs_t[None, :]).to(tl.int64) * N + offs_n[:, None]
+        tl.store(ws_ptrs, acc, mask=mask)
+    else:
+        acc = acc * tl.load(dec_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + offs_t[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+W4A16_FINISH_SIGNATURE = {
+    "ws_ptr": "*fp32", "dec_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+    "T": "i32", "N": "i32", "SPLIT_K": "i32", "stride_ot": "i32",
+    "HAS_BIAS": "constexpr", "BLOCK_N": "constexpr",
+}
+W4A16_FINISH_DIVISIBLE = ["ws_ptr", "dec_ptr", "bias_ptr", "out_ptr", "N", "stride_ot"]
+
+
+@triton.jit
+def _w4a16_splitk_finish_kernel(
+    ws_ptr, dec_ptr, bias_ptr, out_ptr,
+    T, N, SPLIT_K, stride_ot,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``out[t, n] = sum_s ws[s, t, n] * dec[n] (+ bias[n])``, summed in split order (deterministic)."""
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s in range(0, SPLIT_K):
+        acc += tl.load(ws_ptr + (s * T + t).to(tl.int64) * N + offs_n, mask=n_ok, other=0.0)
+    acc = acc * tl.load(dec_ptr + offs_n, mask=n_ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+FINISH_BLOCK_N = 1024
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prefill GEMM kernel
+# ---------------------------------------------------------------------------------------------------------------
+
+W4A16_GEMM_SIGNATURE = {
+    "x_ptr": "*bf16", "w_ptr": "*u8", "w_sf_ptr": "*u8", "dec_ptr": "*fp32", "bias_ptr": "*bf16",
+    "out_ptr": "*bf16",
+    "T": "i32", "N": "i32", "K": "i32",
+    "stride_xt": "i32", "stride_wn": "i32", "stride_wsn": "i32", "stride_ot": "i32",
+    "HAS_BIAS": "constexpr", "EVEN_K": "constexpr", "FAST_DECODE": "constexpr",
+    "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
+    "SWAP_AB": "constexpr",
+}
+W4A16_GEMM_DIVISIBLE = [k for k, v in W4A16_GEMM_SIGNATURE.items() if v.startswith("*")] + [
+    "N", "K", "stride_xt", "stride_wn", "stride_wsn", "stride_ot",
+]
+
+
+@triton.jit
+def _w4a16_gemm_kernel(
+    x_ptr, w_ptr, w_sf_ptr, dec_ptr, bias_ptr, out_ptr,
+    T, N, K,
+    stride_xt, stride_wn, stride_wsn, stride_ot,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    FAST_DECODE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+):
+    # Grouped tile order: GROUP_M row tiles share each weight column tile while it is in L2, so the packed
+    # weight is fetched from DRAM about once per GROUP_M * BLOCK_M tokens.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(T, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    rows_in_group = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % rows_in_group
+    pid_n = (pid % (GROUP_M * num_n)) // rows_in_group
+    dtype = x_ptr.dtype.element_ty
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kb = tl.arange(0, BLOCK_K // 2)
+    offs_ks = tl.arange(0, BLOCK_K // 16)
+    m_ok = offs_m < T
+    n_ok = offs_n < N
+
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_kb[None, :]
+    w_sf_ptrs = w_sf_ptr + offs_n[:, None].to(tl.int64) * stride_wsn + offs_ks[None, :]
+
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        # Zero codes and zero activations past K contribute exactly 0: a K tail needs no special case.
+        if EVEN_K:
+            # No K mask: the loads stay 16-byte vectors (a mask on K // 16 would split them into bytes).
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+            w_sf = tl.load(w_sf_ptrs, mask=n_ok[:, None], other=0)
+        else:
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & ((k0 // 2 + offs_kb) < K // 2)[None, :], other=0)
+            w_sf = tl.load(w_sf_ptrs, mask=n_ok[:, None] & ((k0 // 16 + offs_ks) < K // 16)[None, :], other=0)
+        wv = dequant_rows_16bit(w, w_sf, BLOCK_N, BLOCK_K, dtype, FAST_DECODE)
+        if SWAP_AB:
+            acc = tl.dot(wv, tl.trans(x), acc)
+        else:
+            acc = tl.dot(x, tl.trans(wv), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // 2
+        w_sf_ptrs += BLOCK_K // 16
+
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    acc = acc * tl.load(dec_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configurations
+# ---------------------------------------------------------------------------------------------------------------
+
+# Every (tile, warps, stages) the launchers are meant to run with; the dispatch table picks from these and the
+# compile tests check each for sm_120 (no local memory, shared memory within 99 KB).
+W4A16_GEMV_CONFIGS = (
+    dict(block_n=32, block_k=256, num_warps=4, num_stages=4),
+    dict(block_n=64, block_k=256, num_warps=4, num_stages=4),
+    dict(block_n=64, block_k=512, num_warps=8, num_stages=3),
+    dict(block_n=128, block_k=256, num_warps=8, num_stages=3),
+)
+W4A16_GEMM_CONFIGS = (
+    dict(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4),
+    dict(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    dict(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
+)
+
+
+def w4a16_configs() -> list[tuple[str, dict]]:
+    """Every (kernel, config) pair the launchers accept as tuned: ``("gemv", {...})`` / ``("gemm", {...})``."""
+    return [("gemv", dict(c)) for c in W4A16_GEMV_CONFIGS] + [("gemm", dict(c)) for c in W4A16_GEMM_CONFIGS]
+
+
+def gemv_split_k(n: int, k: int, block_n: int, block_k: int, sm_count: int, t: int = 1) -> int:
+    """Number of K splits so that the decode kernel has about two programs per SM.
+
+    Depends only on shapes, so the grid and the workspace are fixed for a CUDA graph.
+    """
+    programs = triton.cdiv(n, block_n) * triton.cdiv(max(t, 1), GEMV_BLOCK_T)
+    if programs >= 2 * sm_count:
+        return 1
+    # Keep at least 4 K tiles per split so the load pipeline has a prologue worth the name.
+    max_split = max(1, k // (4 * block_k))
+    split = min(triton.cdiv(2 * sm_count, programs), max_split)
+    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    return triton.cdiv(k, k_split)  # no empty splits
+
+
+def suggest_w4a16_config(t: int, n: int, k: int, sm_count: int) -> tuple[str, dict]:
+    """A suggested ``(kernel, config)`` for ``x [t, k] @ W [n, k]^T``; the dispatch table may override it."""
+    if t <= GEMV_MAX_T:
+        # Decode: the weight stream is everything.  Wide K tiles keep many bytes in flight per program...
+        if n >= 16 * sm_count * 64 // 16 and k >= 4096:
+            # ...and with N rows enough for >= 16 programs of 64 rows per SM (N >= ~8.4K on 132 SMs), the
+            # 8-warp 64x512 tile has the most bytes in flight per load stage.
+            cfg = dict(W4A16_GEMV_CONFIGS[2])
+        elif n >= 2 * sm_count * 64:
+            # Medium N: 64-row tiles already give >= 2 programs per SM without splitting K.
+            cfg = dict(W4A16_GEMV_CONFIGS[1])
+        else:
+            # Small N (or small shapes): 32-row tiles and split-K make up the parallelism.
+            cfg = dict(W4A16_GEMV_CONFIGS[0])
+        cfg["split_k"] = gemv_split_k(n, k, cfg["block_n"], cfg["block_k"], sm_count, t)
+        return "gemv", cfg
+    tiles_128 = triton.cdiv(t, 128) * triton.cdiv(n, 128)
+    if tiles_128 < sm_count:
+        # Mid-size batches: 128x128 tiles would leave SMs idle; 64x64 tiles fill the machine.
+        return "gemm", dict(W4A16_GEMM_CONFIGS[0])
+    if t >= 2048 and triton.cdiv(t, 128) * triton.cdiv(n, 256) >= 2 * sm_count:
+        # Large prefill: 128x256 halves the x re-reads per weight tile and amortises each decoded weight tile
+        # over 128 rows, while still giving >= 2 waves.
+        return "gemm", dict(W4A16_GEMM_CONFIGS[2])
+    return "gemm", dict(W4A16_GEMM_CONFIGS[1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _check_inputs(fn: str, x, w_codes, w_scales, w_dec_rows, bias, out):
+    import torch
+
+    from ..format.checks import ACT_DTYPES, as_e4m3, check_tensor
+
+    check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
+    t, k = x.shape
+    check_tensor("w_codes", w_codes, dtype=torch.uint8, ndim=2, last_dim_contiguous=True)
+    n = w_codes.shape[0]
+    if k % 16:
+        raise ValueError(f"{fn}: x: K = {k} must be a multiple of 16 (one e4m3 scale per 16 weights)")
+    check_tensor("w_codes", w_codes, shape=[n, k // 2])
+    w_scales = as_e4m3("w_scales", w_scales)
+    check_tensor("w_scales", w_scales, shape=[n, k // 16], last_dim_contiguous=True)
+    check_tensor("w_dec_rows", w_dec_rows, dtype=torch.float32, shape=[n])
+    if w_dec_rows.numel() > 1 and w_dec_rows.stride(0) != 1:
+        raise ValueError(f"w_dec_rows: must be contiguous, got stride {w_dec_rows.stride()}")
+    if bias is not None:
+        check_tensor("bias", bias, dtype=(torch.bfloat16, torch.float16, torch.float32), shape=[n])
+        if n > 1 and bias.stride(0) != 1:
+            raise ValueError(f"bias: must be contiguous, got stride {bias.stride()}")
+    for name, tensor in (("w_codes", w_codes), ("w_scales", w_scales), ("w_dec_rows", w_dec_rows), ("bias", bias)):
+        if tensor is not None and tensor.device != x.device:
+            raise ValueError(f"{name}: expected a tensor on {x.device} (where x is), got {tensor.device}")
+    if out is not None:
+        check_tensor("out", out, dtype=x.dtype, shape=[t, n], last_dim_contiguous=True, device=x.device)
+    return t, n, k, w_scales
+
+
+def w4a16_gemv(
+    x,
+    w_codes,
+    w_scales,
+    w_dec_rows,
+    bias=None,
+    *,
+    block_n: int = 64,
+    block_k: int = 256,
+    split_k: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 4,
+    fast_decode: bool | None = None,
+    out=None,
+    workspace=None,
+):
+    """``x [T, K] @ W^T * w_dec_rows (+ bias)`` with the decode kernel (meant for T <= 16; any T works).
+
+    ``split_k=None`` picks it from the shape (:func:`gemv_split_k`).  With ``split_k > 1`` the fp32 partials need
+    a workspace of ``split_k * T * N`` floats: pass ``workspace`` (any fp32 tensor with that many elements) to
+    reuse one, else it is allocated here (size from shapes only, fine under CUDA graph capture).
+    ``fast_decode=None``: the inline-PTX decode on a GPU, the pure-``tl`` decode in the interpreter.
+    """
+    import torch
+
+    t, n, k, w_scales = _check_inputs("w4a16_gemv", x, w_codes, w_scales, w_dec_rows, bias, out)
+    if block_k % 64 or block_n % 16 or block_n < 16:
+        raise ValueError(f"w4a16_gemv: block_k ({block_k}) must be a multiple of 64 and block_n ({block_n}) of 16")
+    if out is None:
+        out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    if t == 0 or n == 0:
+        return out
+    if k == 0:
+        return _empty_k(out, w_dec_rows, bias)
+    if fast_decode is None:
+        fast_decode = not _interpreting()
+    if split_k is None:
+        sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+        split_k = gemv_split_k(n, k, block_n, block_k, sm_count, t)
+    k_split = triton.cdiv(triton.cdiv(k, max(1, split_k)), block_k) * block_k
+    split_k = triton.cdiv(k, k_split)  # drop empty splits
+    if split_k > 1:
+        if workspace is None:
+            workspace = torch.empty(split_k * t * n, dtype=torch.float32, device=x.device)
+        check_tensor_ws(workspace, split_k * t * n, x.device)
+    grid = (triton.cdiv(n, block_n), split_k, triton.cdiv(t, GEMV_BLOCK_T))
+    _w4a16_gemv_kernel[grid](
+        x, w_codes, w_scales.view(torch.uint8), w_dec_rows, bias if bias is not None else out, out,
+        workspace if split_k > 1 else out,
+        t, n, k, k_split,
+        x.stride(0), w_codes.stride(0), w_scales.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, SPLIT=split_k > 1, EVEN_K=k % block_k == 0, FAST_DECODE=bool(fast_decode),
+        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=GEMV_BLOCK_T,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split_k > 1:
+        _w4a16_splitk_finish_kernel[(t, triton.cdiv(n, FINISH_BLOCK_N))](
+            workspace, w_dec_rows, bias if bias is not None else out, out,
+            t, n, split_k, out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_N=FINISH_BLOCK_N, num_warps=4,
+        )
+    return out
+
+
+def check_tensor_ws(workspace, numel: int, device) -> None:
+    import torch
+
+    from ..format.checks import check_tensor
+
+    check_tensor("workspace", workspace, dtype=torch.float32, device=device)
+    if workspace.numel() < numel or not workspace.is_contiguous():
+        raise ValueError(
+            f"workspace: expected a contiguous fp32 tensor of >= {numel} elements (split_k * T * N), "
+            f"got shape {list(workspace.shape)}"
+        )
+
+
+def _empty_k(out, w_dec_rows, bias):
+    # K = 0: the product is empty; only the bias remains.
+    if bias is None:
+        return out.zero_()
+    return out.copy_(bias.to(out.dtype).expand_as(out))
+
+
+def w4a16_gemm(
+    x,
+    w_codes,
+    w_scales,
+    w_dec_rows,
+    bias=None,
+    *,
+    block_m: int = 128,
+    block_n: int = 128,
+    block_k: int = 64,
+    group_m: int = 8,
+    num_warps: int = 8,
+    num_stages: int = 3,
+    fast_decode: bool | None = None,
+    out=None,
+):
+    """``x [T, K] @ W^T * w_dec_rows (+ bias)`` with the prefill GEMM (meant for T > 16; any T works).
+
+    ``fast_decode=None``: the inline-PTX decode on a GPU, the pure-``tl`` decode in the interpreter.
+    """
+    import torch
+
+    t, n, k, w_scales = _check_inputs("w4a16_gemm", x, w_codes, w_scales, w_dec_rows, bias, out)
+    if block_k % 16 or block_k < 16 or block_m < 16 or block_n < 16:
+        raise ValueError(f"w4a16_gemm: block_m/n/k ({block_m}, {block_n}, {block_k}) must be >= 16, block_k % 16 == 0")
+    if out is None:
+        out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    if t == 0 or n == 0:
+        return out
+    if k == 0:
+        return _empty_k(out, w_dec_rows, bias)
+    if fast_decode is None:
+        fast_decode = not _interpreting()
+    grid = (triton.cdiv(t, block_m) * triton.cdiv(n, block_n),)
+    _w4a16_gemm_kernel[grid](
+        x, w_codes, w_scales.view(torch.uint8), w_dec_rows, bias if bias is not None else out, out,
+        t, n, k,
+        x.stride(0), w_codes.stride(0), w_scales.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, FAST_DECODE=bool(fast_decode),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def w4a16_linear(x, w_codes, w_scales, w_dec_rows, bias=None, *, sm_count: int | None = None, out=None):
+    """Convenience entry: :func:`suggest_w4a16_config` picks the kernel and tile."""
+    import torch
+
+    if sm_count is None:
+        sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+    kind, cfg = suggest_w4a16_config(x.shape[0], w_codes.shape[0], 2 * w_codes.shape[1], sm_count)
+    fn = w4a16_gemv if kind == "gemv" else w4a16_gemm
+    return fn(x, w_codes, w_scales, w_dec_rows, bias, out=out, **cfg)

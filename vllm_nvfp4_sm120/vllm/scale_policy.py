@@ -1,0 +1,89 @@
+"""Which weight global scales our linear routes use, from what vLLM leaves on the layer.
+
+By the time a kernel's ``process_weights_after_loading`` runs, vLLM has already merged the per-part globals of a
+fused layer (q/k/v, gate/up) into one ``layer.weight_global_scale`` (decode) and deleted the per-part tensor:
+
+* ModelOpt (``weight_scale_2``, decode): ``max`` of the parts, i.e. the largest decode;
+* compressed-tensors (``weight_global_scale``, encode): ``1 / max`` of the parts, i.e. the largest *encode* —
+  which is the smallest decode.
+
+Policy:
+
+* **W4A4 layers** use exactly vLLM's merged global (and vLLM's ``alpha``), block scales unchanged, so our routes
+  compute what every in-tree kernel computes on the same layer.  The small-T W4A16 kernel that a W4A4 route runs
+  on the same weight uses that same global, so the layer's output does not jump with the batch size.  When the
+  parts differ by more than :data:`SPREAD_WARN_FRACTION`, a load-time warning names the layer and the spread.
+* **W4A16 layers** keep each part's own global as a per-row decode tensor (no accuracy loss, nothing to warn).
+
+The per-part globals are captured just before vLLM merges them (:func:`capture_part_globals`, called from the
+hooks in :mod:`.register`).  Without a capture (another caller, e.g. the online lm_head) the merged global is used.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("vllm_nvfp4_sm120")
+
+SPREAD_WARN_FRACTION = 0.05
+_PARTS_ATTR = "_nvfp4_sm120_part_dec"  # plain attribute: load-time only, deleted once consumed
+
+
+def layer_name(layer: torch.nn.Module) -> str:
+    return getattr(layer, "prefix", None) or getattr(layer, "layer_name", None) or type(layer).__name__
+
+
+def capture_part_globals(layer: torch.nn.Module, *, dec: torch.Tensor | None = None, enc: torch.Tensor | None = None) -> None:
+    """Keep a copy of the per-part weight globals (one per fused part) before vLLM merges them."""
+    if (dec is None) == (enc is None):
+        raise ValueError("capture_part_globals: pass exactly one of dec= (ModelOpt) or enc= (compressed-tensors)")
+    parts = dec if dec is not None else 1.0 / enc.to(torch.float32)
+    setattr(layer, _PARTS_ATTR, parts.detach().to(torch.float32).reshape(-1).clone())
+
+
+def part_globals(layer: torch.nn.Module) -> torch.Tensor | None:
+    return getattr(layer, _PARTS_ATTR, None)
+
+
+def spread(part_dec: torch.Tensor) -> float:
+    """Relative spread of the per-part decode globals: ``max / min - 1`` (0 for a single part)."""
+    return float(part_dec.max() / part_dec.min() - 1.0) if part_dec.numel() > 1 else 0.0
+
+
+def _logical_widths(layer: torch.nn.Module, n: int) -> list[int]:
+    widths = list(getattr(layer, "logical_widths", None) or [n])
+    return widths if sum(widths) == n else [n]
+
+
+def weight_dec_rows(layer: torch.nn.Module, *, w4a4: bool) -> torch.Tensor:
+    """The ``[N]`` fp32 per-output-row weight decode global the linear op takes (see the module docstring).
+
+    Load-time only (reads scale values on the host to warn).  Consumes the captured per-part globals.
+    """
+    if not hasattr(layer, "weight_global_scale"):
+        raise ValueError(
+            f"{layer_name(layer)}: expected layer.weight_global_scale (a 0-d fp32 decode global set by vLLM's NVFP4 "
+            "scheme); this layer was not prepared by ModelOpt or compressed-tensors"
+        )
+    n = layer.weight.shape[0]
+    merged = layer.weight_global_scale.detach().to(torch.float32).reshape(())
+    parts = part_globals(layer)
+    if hasattr(layer, _PARTS_ATTR):
+        delattr(layer, _PARTS_ATTR)
+    widths = _logical_widths(layer, n)
+    if parts is not None and parts.numel() != len(widths):
+        parts = None  # cannot tell which rows belong to which global: use vLLM's merged one
+    if parts is not None and w4a4:
+        s = spread(parts)
+        if s > SPREAD_WARN_FRACTION:
+            logger.warning(
+                "NVFP4 layer %s: the weight global scales of its %d fused parts differ by %.1f%% (decode %s); "
+                "W4A4 uses one global per tensor (%.6g, as vLLM does), which rescales the other parts. "
+                "Accuracy may suffer; a checkpoint with a shared global for fused weights avoids it.",
+                layer_name(layer), parts.numel(), 100 * s, [f"{v:.6g}" for v in parts.tolist()], float(merged),
+            )
+    if w4a4 or parts is None:
+        return merged.expand(n).contiguous()
+    return torch.repeat_interleave(parts.to(merged.device), torch.tensor(widths, device=merged.device))
