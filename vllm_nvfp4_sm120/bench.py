@@ -69,7 +69,7 @@ def dram_read_tbs(nbytes: int = 4 << 30) -> float:
     """Read bandwidth ceiling: a sum over a buffer 80x larger than L2 (reads dominate; the write is one scalar)."""
     x = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
     out = torch.empty((), device="cuda")
-    sec = time_graph(lambda: torch.sum(x, out=out))
+    sec = time_graph(lambda: torch.sum(x, dim=0, out=out))
     return nbytes / sec / 1e12
 
 

@@ -44,7 +44,9 @@ def nvfp4_moe(
     ``w2_dec [E]``; ``topk_weights [T, k]`` fp32, ``topk_ids [T, k]`` int32/int64 (global ids, mapped by
     ``expert_map [global_E]`` int32 to local ids or -1).  ``a13_enc`` / ``a2_enc``: one-element fp32 *encode*
     scales of the gate_up and down inputs (W4A4 checkpoints); the plan uses them from a few tokens per expert
-    on.  CPU tensors: the torch reference in the form the plan selects.  ``plan`` overrides the dispatch (tests).
+    on.  CPU tensors: the torch reference in the form the plan selects (``moe_ref``; W4A4 quantizes the fp32
+    activation output directly, as the fused epilogue does).  ``plan`` overrides the dispatch (tests; on CPU with
+    ``TRITON_INTERPRET=1`` it runs the kernels in the interpreter).
     """
     check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
     t, h = x.shape
@@ -58,15 +60,14 @@ def nvfp4_moe(
     if out is None:
         out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     check_tensor("out", out, dtype=x.dtype, shape=[t, h], last_dim_contiguous=True)
+    explicit_plan = plan is not None
     if plan is None:
         plan = plan_for(x, w13_codes, w2_codes, topk_ids, w4a4=a13_enc is not None, expert_map=expert_map)
     if plan.kernel == "w4a4" and a13_enc is None:
         raise ValueError("plan: a W4A4 plan needs the activation scales a13_enc and a2_enc")
 
-    if x.device.type != "cuda" and plan.backend == "torch":
-        return out.copy_(_reference(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights,
-                                     topk_ids, a13_enc, a2_enc, expert_map, activation, plan))
-    if x.device.type != "cuda" and not _interpreting():
+    if x.device.type != "cuda" and not (explicit_plan and _interpreting()):
+        # CPU: the torch reference in the plan's form.  (Tests that pass a plan run the kernels in the interpreter.)
         return out.copy_(_reference(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights,
                                      topk_ids, a13_enc, a2_enc, expert_map, activation, plan))
     return _run_kernels(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,

@@ -13,7 +13,8 @@ buffer may come from ``torch.empty`` and nothing extra runs under a CUDA graph.
 
 Exactness on every target:
 - divisions are ``tl.div_rn`` (IEEE); a plain ``/`` is approximate on the GPU.
-- e2m1 rounding is integer/float arithmetic that rounds once (the 1.5 * 2^23 "magic number" add), no fp4 convert.
+- e2m1 rounding is one fp32 add of a binade-dependent "magic number" (it rounds once, ties to even), no fp4
+  convert (there is none before sm_100).
 - e4m3 rounding: ``NATIVE_E4M3=True`` uses Triton's fp32 → fp8e4nv cast, which lowers to
   ``cvt.rn.satfinite.e4m3x2.f32`` (RNE; sm_89+, so on sm_90 and sm_120 alike).  The interpreter's cast is *not*
   RNE (it rounds ties away and does not carry into the exponent), so ``NATIVE_E4M3=False`` does the rounding in
@@ -43,7 +44,7 @@ ACT_QUANT_DIVISIBLE = [k for k, v in ACT_QUANT_SIGNATURE.items() if v.startswith
 # fp32(1/6): the reference multiplies amax by the fp32 reciprocal of 6, not by 6's exact inverse.
 _ONE_SIXTH = tl.constexpr(0.16666667163372040)  # 0x3E2AAAAB
 # 1.5 * 2^23: adding it to a value in [0, 2^22) rounds that value to an integer, ties to even, in one fp32 add;
-# the integer is then the low bits of the sum (bits - 0x4B400000).
+# the integer is then the low bits of the sum (bits - 0x4B400000).  Used for the e4m3 subnormal range.
 _MAGIC = tl.constexpr(12582912.0)
 _MAGIC_BITS = tl.constexpr(0x4B400000)
 
@@ -52,19 +53,18 @@ _MAGIC_BITS = tl.constexpr(0x4B400000)
 def _e2m1_codes(v):
     """fp32 → 4-bit e2m1 code (int32): nearest, ties to even, saturating at ±6; -0 and tiny negatives give 8.
 
-    The e2m1 grid has step 0.5 below 2, 1 in [2, 4) and 2 in [4, 6]; scaling by 1/step makes each step an integer,
-    and ties-to-even on that integer is ties-to-even on the code (the codes of a binade have the integer's parity).
-    The code is that integer plus the binade's first code minus its first integer (0, +2, +4), folded into the magic.
+    The e2m1 grid is {0, .5, 1, 1.5} ∪ {2, 3} ∪ {4, 6}: step 2^(d-1) in the binade d = 0 (a < 2), 1, 2 of
+    max(a, 1).  Adding M = 1.5 * 2^(22+d) + 2 ulps (ulp = the step) rounds a to the grid in one fp32 add, ties to
+    even, and leaves k + 2 in the sum's low bits, k = rint(a / step).  The code is k + 2d (the binades start at
+    codes 0, 4, 6 and at k = 0, 2, 2), i.e. the sum's low bits plus (bits(2^d) >> 22) = 254 + 2d, mod 8.
+    This is mostly float math: the H200 has twice the fp32 rate of its compare/select/logic pipe.
     """
     a = tl.minimum(tl.abs(v), 6.0)
-    ge2 = a >= 2.0
-    ge4 = a >= 4.0
-    inv_step = tl.where(ge4, 0.5, tl.where(ge2, 1.0, 2.0))
-    magic = tl.where(ge4, _MAGIC + 4.0, tl.where(ge2, _MAGIC + 2.0, _MAGIC))
-    t = a * inv_step + magic  # a * inv_step is exact, so fusing this into an FMA changes nothing
-    code = t.to(tl.int32, bitcast=True) - _MAGIC_BITS
-    sign = (v.to(tl.int32, bitcast=True) >> 28) & 8  # bit 31 → bit 3
-    return code | sign
+    pow2d = (tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)  # 2^d
+    t = a + pow2d * 6291457.0  # 6291457 = 1.5 * 2^22 + 1: exact, and the +1 is the 2 ulps
+    code = t.to(tl.int32, bitcast=True) + (pow2d.to(tl.int32, bitcast=True) >> 22)
+    top4 = (v.to(tl.uint32, bitcast=True) >> 28).to(tl.int32)  # bit 3 = the sign bit
+    return (code & 7) | (top4 & -8)  # one bitwise select on the GPU
 
 
 @triton.jit

@@ -355,3 +355,88 @@ if HAS_GLUON:
             y += gl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(gl.float32)[:, None]
         out_ptrs = out_ptr + toks_o[None, :].to(gl.int64) * stride_ot + rows[:, None]
         gl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (toks_o[None, :] < T))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------------------
+def default_decode(device: torch.device) -> int:
+    """The native cvt where the GPU has it (sm_100+, incl. sm_120), else the portable table."""
+    return DECODE_CVT if torch.cuda.get_device_capability(device)[0] >= 10 else DECODE_PORTABLE
+
+
+def _check_gemv_args(x, w_codes, w_scales, w_dec_rows, bias, out):
+    from ..format.checks import ACT_DTYPES, as_e4m3, check_tensor
+
+    check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
+    check_tensor("w_codes", w_codes, dtype=torch.uint8, ndim=2, last_dim_contiguous=True)
+    t, k = x.shape
+    n = w_codes.shape[0]
+    if k % 16:
+        raise ValueError(f"x: K = {k} must be a multiple of 16 (the NVFP4 block size)")
+    check_tensor("w_codes", w_codes, shape=[n, k // 2])
+    w_scales = as_e4m3("w_scales", w_scales)
+    check_tensor("w_scales", w_scales, shape=[n, k // 16], last_dim_contiguous=True)
+    check_tensor("w_dec_rows", w_dec_rows, dtype=torch.float32, shape=[n])
+    if w_dec_rows.stride(0) != 1 and n > 1:
+        raise ValueError(f"w_dec_rows: must be contiguous, got stride {w_dec_rows.stride()}")
+    if bias is not None:
+        check_tensor("bias", bias, dtype=x.dtype, shape=[n])
+        if bias.stride(0) != 1 and n > 1:
+            raise ValueError(f"bias: must be contiguous, got stride {bias.stride()}")
+    if out is None:
+        out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    else:
+        check_tensor("out", out, dtype=x.dtype, shape=[t, n], last_dim_contiguous=True)
+    return t, n, k, w_scales, out
+
+
+def gemv_fma(x, w_codes, w_scales, w_dec_rows, *, bias=None, tile: FmaTile | None = None,
+             decode: int | None = None, out=None):
+    """``(x @ W^T) * w_dec_rows (+ bias)`` on CUDA cores; meant for T <= 2 (any T works, in blocks of tile.block_t)."""
+    require_gluon("gemv_fma")
+    t, n, k, w_scales, out = _check_gemv_args(x, w_codes, w_scales, w_dec_rows, bias, out)
+    if t == 0 or n == 0:
+        return out
+    tile = tile or FmaTile(block_t=min(t, 2), rows_per_warp=1, num_warps=4)
+    decode = default_decode(x.device) if decode is None else decode
+    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(t, tile.block_t))
+    _gemv_fma_kernel[grid](
+        x, w_codes, w_scales.view(torch.uint8), w_dec_rows, bias if bias is not None else out, out,
+        t, n, x.stride(0), w_codes.stride(0), w_scales.stride(0), out.stride(0),
+        K=k, HAS_BIAS=bias is not None, DECODE=decode, BLOCK_T=tile.block_t,
+        ROWS_PER_WARP=tile.rows_per_warp, WARPS=tile.num_warps, num_warps=tile.num_warps,
+    )
+    return out
+
+
+def gemv_mma(x, w_codes, w_scales, w_dec_rows, *, bias=None, tile: MmaTile | None = None,
+             decode: int | None = None, out=None):
+    """``(x @ W^T) * w_dec_rows (+ bias)`` on tensor cores (bf16/fp16 mma.sync); meant for T <= 32."""
+    require_gluon("gemv_mma")
+    t, n, k, w_scales, out = _check_gemv_args(x, w_codes, w_scales, w_dec_rows, bias, out)
+    if t == 0 or n == 0:
+        return out
+    tile = tile or MmaTile(block_t=8 if t <= 8 else 16 if t <= 16 else 32, num_warps=4)
+    decode = default_decode(x.device) if decode is None else decode
+    grid = (triton.cdiv(n, tile.block_m), triton.cdiv(t, tile.block_t))
+    _gemv_mma_kernel[grid](
+        x, w_codes, w_scales.view(torch.uint8), w_dec_rows, bias if bias is not None else out, out,
+        t, n, x.stride(0), w_codes.stride(0), w_scales.stride(0), out.stride(0),
+        K=k, HAS_BIAS=bias is not None, DECODE=decode, BLOCK_T=tile.block_t, WARPS=tile.num_warps,
+        num_warps=tile.num_warps,
+    )
+    return out
+
+
+def gemv(x, w_codes, w_scales, w_dec_rows, *, bias=None, sm_count: int | None = None, decode: int | None = None,
+         out=None):
+    """Pick the kernel and tile with :func:`gemv_config` and run it (T must be <= GEMV_MAX_T)."""
+    if sm_count is None:
+        sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count
+    cfg = gemv_config(x.shape[0], w_codes.shape[0], x.shape[1], sm_count)
+    if cfg is None:
+        raise ValueError(f"x: T = {x.shape[0]} tokens is more than a gemv handles (<= {GEMV_MAX_T}); use the GEMM")
+    kind, tile = cfg
+    fn = gemv_fma if kind == "fma" else gemv_mma
+    return fn(x, w_codes, w_scales, w_dec_rows, bias=bias, tile=tile, decode=decode, out=out)

@@ -254,17 +254,21 @@ def _w4a16_gemm_kernel(
 # ---------------------------------------------------------------------------------------------------------------
 
 # Every (tile, warps, stages) the launchers are meant to run with; the dispatch table picks from these and the
-# compile tests check each for sm_120 (no local memory, shared memory within 99 KB).
+# compile tests check each for sm_120 (no local memory, shared memory within 99 KB).  Registers (sm_120 / sm_90,
+# Triton 3.8, bf16) are noted because several tiles sit near the 255 limit: a larger tile spills.
 W4A16_GEMV_CONFIGS = (
-    dict(block_n=32, block_k=256, num_warps=4, num_stages=4),
-    dict(block_n=64, block_k=256, num_warps=4, num_stages=4),
-    dict(block_n=64, block_k=512, num_warps=8, num_stages=3),
-    dict(block_n=128, block_k=256, num_warps=8, num_stages=3),
+    dict(block_n=32, block_k=256, num_warps=4, num_stages=4),  # 159 / 158 regs: small N, many programs
+    dict(block_n=64, block_k=256, num_warps=4, num_stages=4),  # 158 / 230 regs (sm_90: wgmma, A in registers)
+    dict(block_n=128, block_k=256, num_warps=8, num_stages=3),  # 157 / 211 regs: large N, fewest x re-reads
 )
 W4A16_GEMM_CONFIGS = (
-    dict(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4),
-    dict(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3),
-    dict(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    # Mid-size batches (few 128-row tiles): small tiles fill the machine.
+    dict(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3, swap_ab=False),
+    # sm_120 prefill: mma.sync, every load pipelined (cp.async), 85 KB smem, 192 regs.
+    dict(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3, swap_ab=False),
+    # sm_90 prefill: the decoded weight is wgmma's register A operand (no smem round trip, MMAs overlap the next
+    # decode); on sm_120 it compiles at 255 regs without spilling but is not the suggested tile there.
+    dict(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=4, swap_ab=True),
 )
 
 
@@ -281,37 +285,33 @@ def gemv_split_k(n: int, k: int, block_n: int, block_k: int, sm_count: int, t: i
     programs = triton.cdiv(n, block_n) * triton.cdiv(max(t, 1), GEMV_BLOCK_T)
     if programs >= 2 * sm_count:
         return 1
-    # Keep at least 4 K tiles per split so the load pipeline has a prologue worth the name.
+    # Keep at least 4 K tiles per split so the load pipeline has a steady state.
     max_split = max(1, k // (4 * block_k))
     split = min(triton.cdiv(2 * sm_count, programs), max_split)
     k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     return triton.cdiv(k, k_split)  # no empty splits
 
 
-def suggest_w4a16_config(t: int, n: int, k: int, sm_count: int) -> tuple[str, dict]:
+def suggest_w4a16_config(t: int, n: int, k: int, sm_count: int, cc_major: int = 12) -> tuple[str, dict]:
     """A suggested ``(kernel, config)`` for ``x [t, k] @ W [n, k]^T``; the dispatch table may override it."""
     if t <= GEMV_MAX_T:
-        # Decode: the weight stream is everything.  Wide K tiles keep many bytes in flight per program...
-        if n >= 16 * sm_count * 64 // 16 and k >= 4096:
-            # ...and with N rows enough for >= 16 programs of 64 rows per SM (N >= ~8.4K on 132 SMs), the
-            # 8-warp 64x512 tile has the most bytes in flight per load stage.
-            cfg = dict(W4A16_GEMV_CONFIGS[2])
-        elif n >= 2 * sm_count * 64:
-            # Medium N: 64-row tiles already give >= 2 programs per SM without splitting K.
-            cfg = dict(W4A16_GEMV_CONFIGS[1])
+        # Decode: streaming the weight is everything; aim for >= 2 programs per SM.  Each program re-reads its
+        # x tile (T x K) from L2, so prefer the widest row tile that still gives 2 programs per SM.
+        if triton.cdiv(n, 128) >= 2 * sm_count:
+            cfg = dict(W4A16_GEMV_CONFIGS[2])  # e.g. N = 51200, 57344: no split needed
+        elif triton.cdiv(n, 64) * 2 >= sm_count:
+            cfg = dict(W4A16_GEMV_CONFIGS[1])  # medium N: 64-row tiles, split-K makes up the rest
         else:
-            # Small N (or small shapes): 32-row tiles and split-K make up the parallelism.
-            cfg = dict(W4A16_GEMV_CONFIGS[0])
+            cfg = dict(W4A16_GEMV_CONFIGS[0])  # small N: 32-row tiles so split-K stays short
         cfg["split_k"] = gemv_split_k(n, k, cfg["block_n"], cfg["block_k"], sm_count, t)
         return "gemv", cfg
-    tiles_128 = triton.cdiv(t, 128) * triton.cdiv(n, 128)
-    if tiles_128 < sm_count:
+    if triton.cdiv(t, 128) * triton.cdiv(n, 128) < sm_count:
         # Mid-size batches: 128x128 tiles would leave SMs idle; 64x64 tiles fill the machine.
         return "gemm", dict(W4A16_GEMM_CONFIGS[0])
-    if t >= 2048 and triton.cdiv(t, 128) * triton.cdiv(n, 256) >= 2 * sm_count:
-        # Large prefill: 128x256 halves the x re-reads per weight tile and amortises each decoded weight tile
-        # over 128 rows, while still giving >= 2 waves.
+    if cc_major == 9:
+        # Hopper: wgmma with the decoded weight in registers (see W4A16_GEMM_CONFIGS).
         return "gemm", dict(W4A16_GEMM_CONFIGS[2])
+    # sm_120 (and others): mma.sync 128x128x128, the tile with every load pipelined and no spills.
     return "gemm", dict(W4A16_GEMM_CONFIGS[1])
 
 
@@ -446,14 +446,18 @@ def w4a16_gemm(
     *,
     block_m: int = 128,
     block_n: int = 128,
-    block_k: int = 64,
+    block_k: int = 128,
     group_m: int = 8,
     num_warps: int = 8,
     num_stages: int = 3,
+    swap_ab: bool = False,
     fast_decode: bool | None = None,
     out=None,
 ):
     """``x [T, K] @ W^T * w_dec_rows (+ bias)`` with the prefill GEMM (meant for T > 16; any T works).
+
+    ``swap_ab`` computes the transposed tile ``W [BN, BK] @ x^T`` so the decoded weight is the MMA's A operand
+    (on sm_90 wgmma takes it straight from registers).
 
     ``fast_decode=None``: the inline-PTX decode on a GPU, the pure-``tl`` decode in the interpreter.
     """
@@ -476,18 +480,20 @@ def w4a16_gemm(
         t, n, k,
         x.stride(0), w_codes.stride(0), w_scales.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, FAST_DECODE=bool(fast_decode),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, SWAP_AB=bool(swap_ab),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
 
-def w4a16_linear(x, w_codes, w_scales, w_dec_rows, bias=None, *, sm_count: int | None = None, out=None):
-    """Convenience entry: :func:`suggest_w4a16_config` picks the kernel and tile."""
+def w4a16_linear(x, w_codes, w_scales, w_dec_rows, bias=None, *, out=None):
+    """Convenience entry: :func:`suggest_w4a16_config` picks the kernel and tile for this GPU."""
     import torch
 
-    if sm_count is None:
-        sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-    kind, cfg = suggest_w4a16_config(x.shape[0], w_codes.shape[0], 2 * w_codes.shape[1], sm_count)
+    sm_count, cc_major = 1, 12
+    if x.is_cuda:
+        props = torch.cuda.get_device_properties(x.device)
+        sm_count, cc_major = props.multi_processor_count, props.major
+    kind, cfg = suggest_w4a16_config(x.shape[0], w_codes.shape[0], 2 * w_codes.shape[1], sm_count, cc_major)
     fn = w4a16_gemv if kind == "gemv" else w4a16_gemm
     return fn(x, w_codes, w_scales, w_dec_rows, bias, out=out, **cfg)

@@ -21,11 +21,10 @@ hooks in :mod:`.register`).  Without a capture (another caller, e.g. the online 
 
 from __future__ import annotations
 
-import logging
-
 import torch
+from vllm.logger import init_logger
 
-logger = logging.getLogger("vllm_nvfp4_sm120")
+logger = init_logger("vllm.nvfp4_sm120")
 
 SPREAD_WARN_FRACTION = 0.05
 _PARTS_ATTR = "_nvfp4_sm120_part_dec"  # plain attribute: load-time only, deleted once consumed

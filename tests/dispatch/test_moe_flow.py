@@ -1,0 +1,147 @@
+"""The MoE layer flow against format.moe_ref, for every plan the dispatch can return (interpreter on CPU).
+
+GPU plans run here with their tiles and TMA switches but with the interpreter-safe decodes (pure-``tl`` e2m1
+decode; W4A4 self-decode + fp16 MMA): those switches change instructions, not indexing.  fp16 only (bf16
+``tl.dot`` is wrong in the interpreter).
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from vllm_nvfp4_sm120.dispatch.moe import W4A4_MIN_TOKENS_PER_EXPERT, all_moe_plans, select_moe_plan
+from vllm_nvfp4_sm120.dispatch.moe_flow import nvfp4_moe
+from vllm_nvfp4_sm120.format import GlobalScale, make_moe_bank, moe_ref, topk_route
+
+
+def _interpretable(plan):
+    return replace(plan, fast_decode=False, decode=True)
+
+
+def _plans():
+    seen, out = set(), []
+    for cap in (None, (12, 0), (9, 0)):
+        for p in all_moe_plans(cap):
+            p = _interpretable(p)
+            # Stages and warps do not change what the interpreter computes; TMA is covered on both GEMMs at once.
+            key = (p.kernel, p.block_m, p.gate_up.block_n, p.gate_up.block_k, p.down.block_n, p.down.block_k,
+                   p.gate_up.use_tma, p.down.use_tma)
+            if p.gate_up.use_tma != p.down.use_tma or key in seen:
+                continue
+            seen.add(key)
+            out.append(pytest.param(p, id=f"{p.tier}-bm{p.block_m}-tma{int(p.gate_up.use_tma)}"))
+    return out
+
+
+def make_layer(e, h, i, gen):
+    w13, d13 = make_moe_bank(e, 2 * i, h, gen=gen)
+    w2, d2 = make_moe_bank(e, h, i, gen=gen)
+    return w13, d13, w2, d2
+
+
+def routing(t, e, top_k, gen, skewed=False):
+    if skewed:  # every token on experts 0..k-1
+        ids = torch.arange(top_k, dtype=torch.int32).expand(t, top_k).contiguous()
+        return torch.softmax(torch.randn(t, top_k, generator=gen), -1), ids
+    return topk_route(torch.randn(t, e, generator=gen), top_k)
+
+
+def run_case(plan, t, top_k, gen, *, e=4, h=128, i=64, skewed=False, expert_map=None, activation="silu",
+             deterministic=False, strided=False):
+    w13, d13, w2, d2 = make_layer(e, h, i, gen)
+    global_e = expert_map.numel() if expert_map is not None else e
+    x = torch.randn(t, h + 32 if strided else h, generator=gen).half()[:, :h]
+    tw, ti = routing(t, global_e, top_k, gen, skewed)
+    kw, ref_kw = {}, {}
+    if plan.kernel == "w4a4":
+        a13 = GlobalScale.of(x) if t else GlobalScale.from_encode(1.0)
+        a2 = GlobalScale.from_amax(8.0)
+        kw = dict(a13_enc=a13.enc.reshape(1), a2_enc=a2.enc.reshape(1))
+        ref_kw = dict(a13_gs=a13, a2_gs=a2)
+    out = nvfp4_moe(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, expert_map=expert_map,
+                    activation=activation, deterministic=deterministic, plan=plan, **kw)
+    ref = moe_ref(x, w13, d13, w2, d2, tw, ti, expert_map=expert_map, activation=activation, **ref_kw)
+    assert_moe_close(out, ref)
+    return out
+
+
+def assert_moe_close(out, ref):
+    # Kernel and reference differ only in fp32 summation order (and, rarely, the last-bit rounding of the
+    # intermediate that follows from it), which is absolute in the sums: the floor scales with the output.
+    atol = 2.0**-10 * float(ref.float().abs().max()) if ref.numel() else 0.0
+    torch.testing.assert_close(out, ref, atol=atol, rtol=2.0**-9)
+
+
+@pytest.mark.parametrize("plan", _plans())
+def test_every_plan_matches_reference(plan, gen):
+    run_case(plan, 16, 3, gen)
+
+
+W4A16 = _interpretable(select_moe_plan(None, num_tokens=1, top_k=1, global_experts=4, hidden=128,
+                                       intermediate=64, w4a4=False))
+W4A4 = _interpretable(select_moe_plan(None, num_tokens=64, top_k=2, global_experts=4, hidden=128,
+                                      intermediate=64, w4a4=True))
+
+
+@pytest.mark.parametrize("plan", [W4A16, W4A4], ids=["w4a16", "w4a4"])
+@pytest.mark.parametrize("t,top_k", [(0, 2), (1, 1), (3, 2), (16, 3)])
+@pytest.mark.parametrize("skewed", [False, True], ids=["uniform", "skewed"])
+def test_tokens_and_routing(plan, t, top_k, skewed, gen):
+    run_case(plan, t, top_k, gen, skewed=skewed)
+
+
+@pytest.mark.parametrize("plan", [W4A16, W4A4], ids=["w4a16", "w4a4"])
+def test_expert_map_gelu_deterministic_strided(plan, gen):
+    # 8 global experts, this rank holds 4 of them; routes to the others contribute nothing.
+    expert_map = torch.tensor([-1, 0, -1, 1, 2, -1, 3, -1], dtype=torch.int32)
+    a = run_case(plan, 16, 3, gen, expert_map=expert_map, activation="gelu_tanh", deterministic=True,
+                 strided=True, h=96, i=48)
+    assert a.shape == (16, 96)
+
+
+@pytest.mark.parametrize("plan", [W4A16, W4A4], ids=["w4a16", "w4a4"])
+def test_deterministic_is_bitwise_repeatable(plan, gen):
+    g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    a = run_case(plan, 16, 3, g1, deterministic=True)
+    b = run_case(plan, 16, 3, g2, deterministic=True)
+    assert torch.equal(a, b)
+
+
+def test_cpu_without_plan_is_the_reference(gen):
+    w13, d13, w2, d2 = make_layer(4, 64, 32, gen)
+    x = torch.randn(8, 64, generator=gen).half()
+    tw, ti = topk_route(torch.randn(8, 4, generator=gen), 2)
+    a13, a2 = GlobalScale.of(x), GlobalScale.from_amax(8.0)
+    out = nvfp4_moe(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti,
+                    a13_enc=a13.enc.reshape(1), a2_enc=a2.enc.reshape(1))
+    # 8 tokens x top-2 over 4 experts = 4 per expert: W4A4 from W4A4_MIN_TOKENS_PER_EXPERT on.
+    assert W4A4_MIN_TOKENS_PER_EXPERT == 4
+    torch.testing.assert_close(out, moe_ref(x, w13, d13, w2, d2, tw, ti, a13_gs=a13, a2_gs=a2), atol=0, rtol=0)
+    small = nvfp4_moe(x[:1], w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw[:1], ti[:1],
+                      a13_enc=a13.enc.reshape(1), a2_enc=a2.enc.reshape(1))
+    torch.testing.assert_close(small, moe_ref(x[:1], w13, d13, w2, d2, tw[:1], ti[:1]), atol=0, rtol=0)
+
+
+def test_dispatch_tiers():
+    def plan(t, w4a4=True, cap=(12, 0), h=2048, i=768):
+        return select_moe_plan(cap, num_tokens=t, top_k=8, global_experts=128, hidden=h, intermediate=i, w4a4=w4a4)
+
+    assert plan(1).kernel == "w4a16" and plan(1).block_m == 16 and plan(1).stream_weights
+    assert plan(64).kernel == "w4a4" and plan(64).block_m == 16  # 4 tokens per expert
+    assert plan(8192).block_m == 128 and plan(8192, w4a4=False).gate_up.use_tma
+    assert not plan(8192, w4a4=False, h=2112).gate_up.use_tma and plan(8192, w4a4=False, h=2112).down.use_tma
+    assert plan(4096, cap=(9, 0)).decode is False and plan(4096, cap=None).decode is True
+    assert all(p.kernel in ("w4a16", "w4a4") for cap in (None, (9, 0), (12, 0)) for p in all_moe_plans(cap))
+
+
+def test_bad_input_is_named(gen):
+    w13, d13, w2, d2 = make_layer(2, 64, 32, gen)
+    x = torch.randn(2, 64, generator=gen).half()
+    tw, ti = topk_route(torch.randn(2, 2, generator=gen), 1)
+    with pytest.raises(ValueError, match="a13_enc and a2_enc"):
+        nvfp4_moe(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, a13_enc=torch.ones(1))
+    with pytest.raises(ValueError, match="topk_weights: expected shape"):
+        nvfp4_moe(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw[:1], ti)
+    with pytest.raises(ValueError, match="w13_codes: expected shape"):
+        nvfp4_moe(x, w13.codes[:, :, :16], w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, plan=W4A16)
