@@ -1,98 +1,27 @@
 """Fixtures for the vLLM glue tests: the plugin registered, a one-process gloo TP group, a faked CUDA platform.
 
-There is no CUDA ``Platform`` on a CPU-only machine (``import vllm.platforms.cuda`` needs ``libcuda.so.1``), so
-:func:`fake_cuda` swaps ``current_platform`` for a minimal CUDA platform with a chosen compute capability, in
-``vllm.platforms`` and in every ``vllm`` module that imported it, plus ``cutlass_fp4_supported`` (it calls into
-``vllm._C``).  Everything goes through a ``MonkeyPatch``, so nothing outlives the test or module that asked.
-Every vLLM module that runs ``_C`` code at import time must be imported before faking: see ``_PREIMPORT``.
+The platform fakes live in ``vllm_platform.py`` (tests import them from there).
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
+import importlib.util
 import socket
-import sys
 
 import pytest
-import torch
 
-pytest.importorskip("vllm", reason="vLLM is not installed (the glue tests need vLLM 0.33.0)")
-
-_PREIMPORT = (
-    "vllm.model_executor.kernels.linear",
-    "vllm.model_executor.layers.linear",
-    "vllm.model_executor.layers.quantization.modelopt",
-    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
-    "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4",
-    "vllm.model_executor.layers.quantization.online.fp8",
-    "vllm.model_executor.layers.quantization.online.lm_head",
-    "vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils",
-    "vllm.distributed",
-    "vllm.engine.arg_utils",
-)
-for _m in _PREIMPORT:
-    importlib.import_module(_m)
-
-import vllm.platforms as P  # noqa: E402
-from vllm.config import DeviceConfig, KernelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
-from vllm.platforms.interface import DeviceCapability, Platform, PlatformEnum  # noqa: E402
-
-from vllm_nvfp4_sm120.vllm import register as plugin  # noqa: E402
-
-
-def swap_platform(mp: pytest.MonkeyPatch, fake: Platform) -> Platform:
-    """Make ``fake`` vLLM's ``current_platform`` everywhere it was imported (undone with ``mp``)."""
-    real = P.current_platform
-    mp.setattr(P, "_current_platform", fake)
-    for name, mod in list(sys.modules.items()):
-        if name.startswith("vllm") and not name.startswith("vllm_nvfp4_sm120"):
-            if vars(mod).get("current_platform") is real:
-                mp.setattr(mod, "current_platform", fake)
-    return fake
-
-
-def cpu_platform(mp: pytest.MonkeyPatch) -> Platform:
-    """vLLM's CPU platform (what ``VLLM_TARGET_DEVICE=cpu`` gives): EngineArgs' CLI needs a device type."""
-    from vllm.platforms.cpu import CpuPlatform
-
-    return swap_platform(mp, CpuPlatform())
-
-
-def fake_cuda(mp: pytest.MonkeyPatch, cc: tuple[int, int]) -> Platform:
-    """Make vLLM believe it runs on a CUDA GPU of compute capability ``cc`` (undone with ``mp``)."""
-
-    class FakeCudaPlatform(Platform):
-        _enum = PlatformEnum.CUDA
-        device_name = device_type = "cuda"
-        dispatch_key = "CUDA"
-
-        @classmethod
-        def get_device_capability(cls, device_id: int = 0) -> DeviceCapability:
-            return DeviceCapability(*cc)
-
-    nvfp4_utils = sys.modules["vllm.model_executor.layers.quantization.utils.nvfp4_utils"]
-    cutlass_fp4_supported = nvfp4_utils.cutlass_fp4_supported
-    for name, mod in list(sys.modules.items()):
-        if name.startswith("vllm") and vars(mod).get("cutlass_fp4_supported") is cutlass_fp4_supported:
-            mp.setattr(mod, "cutlass_fp4_supported", lambda: False)  # it asks vllm._C
-    return swap_platform(mp, FakeCudaPlatform())
-
-
-@contextlib.contextmanager
-def fake_cuda_context(cc: tuple[int, int]):
-    """:func:`fake_cuda` for module-scoped fixtures."""
-    with pytest.MonkeyPatch.context() as mp:
-        yield fake_cuda(mp, cc)
-
-
-def vllm_config(**kernel) -> VllmConfig:
-    return VllmConfig(device_config=DeviceConfig(device="cpu"), kernel_config=KernelConfig(**kernel))
+if importlib.util.find_spec("vllm") is None:
+    # The GPU machine used for kernel proofs has no vLLM; CI installs it.
+    collect_ignore_glob = ["test_*.py"]
 
 
 @pytest.fixture(scope="session")
 def registered():
     """The plugin registered for the session (as vLLM's entry point would), unregistered at the end."""
+    import vllm_platform  # noqa: F401  (imports the vLLM modules that must precede any platform fake)
+
+    import vllm_nvfp4_sm120.vllm.register as plugin
+
     was = plugin.is_registered()
     plugin.register()
     assert plugin.is_registered(), "register() did nothing (VLLM_NVFP4_SM120=0 in the environment?)"
@@ -116,7 +45,9 @@ def tp_group():
         ensure_model_parallel_initialized,
         init_distributed_environment,
     )
+    from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm_platform import vllm_config
 
     if model_parallel_is_initialized():
         yield
@@ -133,15 +64,18 @@ def tp_group():
 @pytest.fixture
 def fake_platform(monkeypatch):
     """``fake_platform((12, 0))`` fakes an sm_120 CUDA GPU for this test."""
+    from vllm_platform import fake_cuda
+
     return lambda cc: fake_cuda(monkeypatch, cc)
 
 
 @pytest.fixture
-def plugin_log(caplog):
-    """Records of the plugin's logger (vLLM's loggers do not propagate to the root, where caplog listens)."""
+def plugin_log(caplog, monkeypatch):
+    """Records of the plugin's logger, once each (vLLM's logging config may stop propagation to caplog's root)."""
     import logging
 
     log = logging.getLogger("vllm.nvfp4_sm120")
+    monkeypatch.setattr(log, "propagate", False)
     log.addHandler(caplog.handler)
     caplog.set_level(logging.DEBUG, logger="vllm.nvfp4_sm120")
     yield caplog

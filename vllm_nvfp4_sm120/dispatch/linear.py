@@ -12,6 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import triton
+
+from ..kernels.w4a16_linear import (
+    GEMV_BLOCK_T,
+    GEMV_MAX_T,
+    W4A16_GEMM_CONFIGS,
+    W4A16_GEMM_CONFIGS_SM90,
+    W4A16_GEMV_CONFIGS,
+)
+
 ROUTES = ("triton", "cublas", "b12x", "w4a16", "flashinfer_w4a16")
 W4A4_ROUTES = ("triton", "cublas", "b12x")
 
@@ -45,6 +55,7 @@ def _p(kernel: str, **params) -> LinearPlan:
 # 64x128 keeps more CTAs in flight for mid-sized T.
 _W4A4_BIG = _p("w4a4_triton", block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
 _W4A4_MID = _p("w4a4_triton", block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
+# W4A16 rows name the kernel; the tile is chosen by w4a16_plan from the shape and the SM count.
 _W4A16_SMALL = _p("w4a16_gemv")
 _W4A16_BIG = _p("w4a16_gemm")
 
@@ -88,12 +99,52 @@ def _rows(cc: int, route: str) -> list[Row]:
     return family[route]
 
 
-def select_linear(cc: int, route: str, t: int, n: int, k: int) -> LinearPlan:
-    """The plan for one call; ``cc`` is e.g. 120 for sm_120."""
+def select_linear(cc: int, route: str, t: int, n: int, k: int, sm_count: int = 170) -> LinearPlan:
+    """The plan for one call; ``cc`` is e.g. 120 for sm_120 (an RTX 5090 has 170 SMs)."""
     for row in _rows(cc, route):
         if row.max_t is None or t <= row.max_t:
+            if row.plan in (_W4A16_SMALL, _W4A16_BIG):
+                return w4a16_plan(t, n, k, sm_count, cc // 10, small=row.plan == _W4A16_SMALL)
             return row.plan
     raise AssertionError("every route's last row admits any T")
+
+
+def gemv_split_k(n: int, k: int, block_n: int, block_k: int, sm_count: int, t: int = 1) -> int:
+    """Number of K splits so that the decode kernel has about two programs per SM.
+
+    Depends only on shapes, so the grid and the workspace are fixed for a CUDA graph.
+    """
+    programs = triton.cdiv(n, block_n) * triton.cdiv(max(t, 1), GEMV_BLOCK_T)
+    if programs >= 2 * sm_count:
+        return 1
+    # Keep at least 4 K tiles per split so the load pipeline has a steady state.
+    max_split = max(1, k // (4 * block_k))
+    split = min(triton.cdiv(2 * sm_count, programs), max_split)
+    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    return triton.cdiv(k, k_split)  # no empty splits
+
+
+def w4a16_plan(t: int, n: int, k: int, sm_count: int, cc_major: int, *, small: bool) -> LinearPlan:
+    """Tile of the W4A16 kernels for ``x [t, k] @ W [n, k]^T``."""
+    if small and t <= GEMV_MAX_T:
+        # Decode: streaming the weight is everything; aim for >= 2 programs per SM.  Each program re-reads its
+        # x tile (T x K) from L2, so prefer the widest row tile that still gives 2 programs per SM.
+        if triton.cdiv(n, 128) >= 2 * sm_count:
+            cfg = dict(W4A16_GEMV_CONFIGS[2])  # e.g. N = 51200, 57344: no split needed
+        elif triton.cdiv(n, 64) * 2 >= sm_count:
+            cfg = dict(W4A16_GEMV_CONFIGS[1])  # medium N: 64-row tiles, split-K makes up the rest
+        else:
+            cfg = dict(W4A16_GEMV_CONFIGS[0])  # small N: 32-row tiles so split-K stays short
+        cfg["split_k"] = gemv_split_k(n, k, cfg["block_n"], cfg["block_k"], sm_count, t)
+        return _p("w4a16_gemv", **cfg)
+    if triton.cdiv(t, 128) * triton.cdiv(n, 128) < sm_count:
+        # Mid-size batches: 128x128 tiles would leave SMs idle; 64x64 tiles fill the machine.
+        return _p("w4a16_gemm", **W4A16_GEMM_CONFIGS[0])
+    if cc_major == 9:
+        # Hopper: wgmma with the decoded weight in registers (see W4A16_GEMM_CONFIGS_SM90).
+        return _p("w4a16_gemm", **W4A16_GEMM_CONFIGS_SM90[0])
+    # sm_120 (and others): mma.sync 128x128x128, the tile with every load pipelined and no spills.
+    return _p("w4a16_gemm", **W4A16_GEMM_CONFIGS[1])
 
 
 def small_t_threshold(cc: int, route: str) -> int:
@@ -102,10 +153,15 @@ def small_t_threshold(cc: int, route: str) -> int:
 
 
 def all_linear_plans() -> list[LinearPlan]:
-    """Every plan the table can return, for tests that walk them all."""
+    """Every plan the table can return (W4A16 tiles without their shape-dependent ``split_k``), for tests."""
     seen: dict[LinearPlan, None] = {}
     for family in TABLE.values():
         for rows in family.values():
             for row in rows:
-                seen.setdefault(row.plan)
+                if row.plan not in (_W4A16_SMALL, _W4A16_BIG):
+                    seen.setdefault(row.plan)
+    for cfg in W4A16_GEMV_CONFIGS:
+        seen.setdefault(_p("w4a16_gemv", **cfg))
+    for cfg in W4A16_GEMM_CONFIGS + W4A16_GEMM_CONFIGS_SM90:
+        seen.setdefault(_p("w4a16_gemm", **cfg))
     return list(seen)

@@ -81,7 +81,7 @@ _W4A16_TIERS = {
     "sm120": (
         (16, 16, GemmTile(64, 256, 4, 3), GemmTile(64, 256, 4, 3)),
         (48, 32, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 3)),
-        (96, 64, GemmTile(64, 128, 4, 3), GemmTile(128, 64, 4, 3)),
+        (96, 64, GemmTile(64, 64, 8, 3), GemmTile(128, 64, 4, 3)),  # BLOCK_K 128 spills with two accumulators
         (None, 128, GemmTile(64, 64, 8, 3), GemmTile(128, 64, 8, 3)),
     ),
     # sm_90 / sm_100: 227 KB of shared memory, deeper pipelines.

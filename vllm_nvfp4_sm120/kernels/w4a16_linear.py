@@ -262,57 +262,27 @@ W4A16_GEMV_CONFIGS = (
     dict(block_n=128, block_k=256, num_warps=8, num_stages=3),  # 157 / 211 regs: large N, fewest x re-reads
 )
 W4A16_GEMM_CONFIGS = (
-    # Mid-size batches (few 128-row tiles): small tiles fill the machine.
+    # Mid-size batches (few 128-row tiles): small tiles fill the machine.  196 / 133 regs.
     dict(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3, swap_ab=False),
-    # sm_120 prefill: mma.sync, every load pipelined (cp.async), 85 KB smem, 192 regs.
+    # sm_120 prefill: mma.sync, every load pipelined (cp.async), 85 KB smem.  192 / 170 regs.
     dict(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3, swap_ab=False),
-    # sm_90 prefill: the decoded weight is wgmma's register A operand (no smem round trip, MMAs overlap the next
-    # decode); on sm_120 it compiles at 255 regs without spilling but is not the suggested tile there.
+)
+# Hopper only (the H200 the proofs run on): the decoded weight is wgmma's register A operand, so it skips the
+# shared-memory round trip and the MMAs overlap the next tile's decode (warp_group_dot_wait pendings=1).
+# 214 regs on sm_90; on sm_120 the same tile spills (255 regs + 368 B stack), hence a separate list.
+W4A16_GEMM_CONFIGS_SM90 = (
     dict(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=4, swap_ab=True),
 )
 
 
-def w4a16_configs() -> list[tuple[str, dict]]:
-    """Every (kernel, config) pair the launchers accept as tuned: ``("gemv", {...})`` / ``("gemm", {...})``."""
-    return [("gemv", dict(c)) for c in W4A16_GEMV_CONFIGS] + [("gemm", dict(c)) for c in W4A16_GEMM_CONFIGS]
+def w4a16_configs(cc_major: int = 12) -> list[tuple[str, dict]]:
+    """Every (kernel, config) pair valid on compute capability ``cc_major``: ``("gemv", {...})`` / ``("gemm", {...})``.
 
-
-def gemv_split_k(n: int, k: int, block_n: int, block_k: int, sm_count: int, t: int = 1) -> int:
-    """Number of K splits so that the decode kernel has about two programs per SM.
-
-    Depends only on shapes, so the grid and the workspace are fixed for a CUDA graph.
+    sm_120 (the default) gets the tiles that compile there without spills within 99 KB of shared memory; sm_90
+    adds the Hopper-only GEMM tile.
     """
-    programs = triton.cdiv(n, block_n) * triton.cdiv(max(t, 1), GEMV_BLOCK_T)
-    if programs >= 2 * sm_count:
-        return 1
-    # Keep at least 4 K tiles per split so the load pipeline has a steady state.
-    max_split = max(1, k // (4 * block_k))
-    split = min(triton.cdiv(2 * sm_count, programs), max_split)
-    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    return triton.cdiv(k, k_split)  # no empty splits
-
-
-def suggest_w4a16_config(t: int, n: int, k: int, sm_count: int, cc_major: int = 12) -> tuple[str, dict]:
-    """A suggested ``(kernel, config)`` for ``x [t, k] @ W [n, k]^T``; the dispatch table may override it."""
-    if t <= GEMV_MAX_T:
-        # Decode: streaming the weight is everything; aim for >= 2 programs per SM.  Each program re-reads its
-        # x tile (T x K) from L2, so prefer the widest row tile that still gives 2 programs per SM.
-        if triton.cdiv(n, 128) >= 2 * sm_count:
-            cfg = dict(W4A16_GEMV_CONFIGS[2])  # e.g. N = 51200, 57344: no split needed
-        elif triton.cdiv(n, 64) * 2 >= sm_count:
-            cfg = dict(W4A16_GEMV_CONFIGS[1])  # medium N: 64-row tiles, split-K makes up the rest
-        else:
-            cfg = dict(W4A16_GEMV_CONFIGS[0])  # small N: 32-row tiles so split-K stays short
-        cfg["split_k"] = gemv_split_k(n, k, cfg["block_n"], cfg["block_k"], sm_count, t)
-        return "gemv", cfg
-    if triton.cdiv(t, 128) * triton.cdiv(n, 128) < sm_count:
-        # Mid-size batches: 128x128 tiles would leave SMs idle; 64x64 tiles fill the machine.
-        return "gemm", dict(W4A16_GEMM_CONFIGS[0])
-    if cc_major == 9:
-        # Hopper: wgmma with the decoded weight in registers (see W4A16_GEMM_CONFIGS).
-        return "gemm", dict(W4A16_GEMM_CONFIGS[2])
-    # sm_120 (and others): mma.sync 128x128x128, the tile with every load pipelined and no spills.
-    return "gemm", dict(W4A16_GEMM_CONFIGS[1])
+    gemm = W4A16_GEMM_CONFIGS + (W4A16_GEMM_CONFIGS_SM90 if cc_major == 9 else ())
+    return [("gemv", dict(c)) for c in W4A16_GEMV_CONFIGS] + [("gemm", dict(c)) for c in gemm]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -371,7 +341,7 @@ def w4a16_gemv(
 ):
     """``x [T, K] @ W^T * w_dec_rows (+ bias)`` with the decode kernel (meant for T <= 16; any T works).
 
-    ``split_k=None`` picks it from the shape (:func:`gemv_split_k`).  With ``split_k > 1`` the fp32 partials need
+    ``split_k=None`` means no split (the dispatch table picks one from the shape and the SM count).  With ``split_k > 1`` the fp32 partials need
     a workspace of ``split_k * T * N`` floats: pass ``workspace`` (any fp32 tensor with that many elements) to
     reuse one, else it is allocated here (size from shapes only, fine under CUDA graph capture).
     ``fast_decode=None``: the inline-PTX decode on a GPU, the pure-``tl`` decode in the interpreter.
@@ -390,8 +360,7 @@ def w4a16_gemv(
     if fast_decode is None:
         fast_decode = not _interpreting()
     if split_k is None:
-        sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-        split_k = gemv_split_k(n, k, block_n, block_k, sm_count, t)
+        split_k = 1  # the dispatch table (dispatch/linear.py) chooses the split from the shape and SM count
     k_split = triton.cdiv(triton.cdiv(k, max(1, split_k)), block_k) * block_k
     split_k = triton.cdiv(k, k_split)  # drop empty splits
     if split_k > 1:
@@ -485,15 +454,3 @@ def w4a16_gemm(
     )
     return out
 
-
-def w4a16_linear(x, w_codes, w_scales, w_dec_rows, bias=None, *, out=None):
-    """Convenience entry: :func:`suggest_w4a16_config` picks the kernel and tile for this GPU."""
-    import torch
-
-    sm_count, cc_major = 1, 12
-    if x.is_cuda:
-        props = torch.cuda.get_device_properties(x.device)
-        sm_count, cc_major = props.multi_processor_count, props.major
-    kind, cfg = suggest_w4a16_config(x.shape[0], w_codes.shape[0], 2 * w_codes.shape[1], sm_count, cc_major)
-    fn = w4a16_gemv if kind == "gemv" else w4a16_gemm
-    return fn(x, w_codes, w_scales, w_dec_rows, bias, out=out, **cfg)

@@ -1,0 +1,333 @@
+"""Vendor sm_120 W4A4/W4A16 routes: load-time refusal and preparation on the CPU, clean refusal off sm_120,
+real execution against the torch references on sm_120 only (``-m sm120``)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from vllm_nvfp4_sm120.format import (
+    GlobalScale,
+    linear_w4a4_ref,
+    linear_w4a16_ref,
+    make_linear,
+    swizzle_128x4,
+    swizzled_shape,
+    unpack_e2m1,
+)
+from vllm_nvfp4_sm120.kernels import fp4_routes as R
+
+SM120, SM121, SM100, SM90, SM89 = (12, 0), (12, 1), (10, 0), (9, 0), (8, 9)
+# The H200 image has no FlashInfer: tests of its probes run where it is installed (the dev machine, sm_120 boxes).
+needs_flashinfer = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="flashinfer not installed")
+REAL = [(10240, 5120), (5120, 8192), (51200, 5120), (5120, 25600), (57344, 8192), (8192, 28672)]
+
+
+def _weight(n, k, gen):
+    p = make_linear(n, k, gen=gen)
+    return p.codes, p.scales, p
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Load-time refusal
+
+
+@pytest.mark.parametrize("n,k", REAL)
+def test_cublas_accepts_real_shapes(n, k):
+    for cap in (SM120, SM121, SM100):
+        assert R.cublas_refusal(cap, n, k, cuda_version="12.8") is None
+
+
+@pytest.mark.parametrize(
+    "cap,n,k,cuda,match",
+    [
+        (SM90, 4096, 4096, "13.0", r"need sm_100 or sm_120, this GPU is sm_90"),
+        (SM89, 4096, 4096, "13.0", r"sm_89"),
+        (SM120, 4096, 4096, "12.6", r"CUDA >= 12.8"),
+        (SM120, 4096, 4112, "13.0", r"K = 4112 is not a multiple of 32"),
+        (SM120, 4104, 4096, "13.0", r"N = 4104 is not a multiple of 16"),
+    ],
+)
+def test_cublas_refusals(cap, n, k, cuda, match):
+    import re
+
+    reason = R.cublas_refusal(cap, n, k, cuda_version=cuda)
+    assert reason is not None and re.search(match, reason), reason
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("n,k", REAL + [(4104, 4112), (24, 48)])
+def test_b12x_accepts(n, k):
+    assert R.b12x_refusal(SM120, n, k, cuda_version="12.9") is None
+    assert R.b12x_refusal(SM121, n, k, cuda_version="13.0") is None
+
+
+@pytest.mark.parametrize(
+    "cap,n,k,cuda,match",
+    [
+        (SM100, 4096, 4096, "13.0", r"sm_120/sm_121 only, this GPU is sm_100"),
+        (SM90, 4096, 4096, "13.0", r"sm_90"),
+        (SM120, 4100, 4096, "13.0", r"N = 4100 is not a multiple of 8"),
+        (SM120, 4096, 4104, "13.0", r"K = 4104 is not a multiple of 16"),
+        pytest.param(SM120, 4096, 4096, "12.8", r"CUDA >= 12.9 .*found CUDA 12.8", marks=needs_flashinfer),
+    ],
+)
+def test_b12x_refusals(cap, n, k, cuda, match):
+    import re
+
+    reason = R.b12x_refusal(cap, n, k, cuda_version=cuda)
+    assert reason is not None and re.search(match, reason), reason
+
+
+@needs_flashinfer
+def test_b12x_uses_flashinfer_cuda_probe():
+    # Without an override the check uses FlashInfer's own probe (nvcc, else torch's CUDA): a version string.
+    version = R.flashinfer_cuda_version()
+    assert version[0].isdigit()
+    from packaging.version import Version
+
+    reason = R.b12x_refusal(SM120, 4096, 4096)
+    assert (reason is None) == (Version(version) >= Version("12.9")), reason
+
+
+def test_flashinfer_missing_is_a_refusal(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_flashinfer(name, *args, **kw):
+        if name == "flashinfer" or name.startswith("flashinfer."):
+            raise ImportError("No module named 'flashinfer'")
+        return real_import(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_flashinfer)
+    for reason in (R.b12x_refusal(SM120, 4096, 4096, cuda_version="13.0"),
+                   R.flashinfer_w4a16_refusal(SM120, 4096, 4096)):
+        assert reason is not None and "flashinfer is not importable" in reason
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("backend", R.W4A16_BACKENDS)
+@pytest.mark.parametrize("n,k", REAL)
+def test_w4a16_accepts_real_shapes(backend, n, k):
+    reason = R.flashinfer_w4a16_refusal(SM120, n, k, backend=backend)
+    if backend == "cudnn":
+        from flashinfer.gemm.gemm_base import CUDNN_AVAILABLE
+
+        assert (reason is None) == CUDNN_AVAILABLE, reason
+    else:
+        assert reason is None, reason
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(cap=SM90), r"does not support sm_90"),
+        (dict(backend="cute-dsl-native", cap=SM100), r"does not support sm_100"),
+        (dict(n=4128), r"N = 4128 is not a multiple of 64"),
+        (dict(act_dtype=torch.float16), r"bfloat16 activations only"),
+        (dict(backend="marlin"), r"not one of"),
+        (dict(k=4104), r"K = 4104"),
+    ],
+)
+def test_w4a16_refusals(kw, match):
+    import re
+
+    args = dict(cap=SM120, n=4096, k=4096, backend="cute-dsl", act_dtype=torch.bfloat16) | kw
+    reason = R.flashinfer_w4a16_refusal(args["cap"], args["n"], args["k"], backend=args["backend"],
+                                        act_dtype=args["act_dtype"])
+    assert reason is not None and re.search(match, reason), reason
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Load-time preparation
+
+
+@pytest.mark.parametrize("n,k", [(64, 128), (40, 48), (8, 16), (130, 80)])
+def test_prepare_b12x_weight(n, k, gen):
+    codes, scales, _ = _weight(n, k, gen)
+    w, sf = R.prepare_b12x_weight(codes, scales)
+    np_, kp = -(-n // 32) * 32, -(-k // 32) * 32
+    assert w.shape == (np_, kp // 2) and w.dtype == torch.uint8 and w.is_contiguous()
+    if (np_, kp) == (n, k):
+        assert w is codes  # aligned: the checkpoint tensor itself, no copy
+    torch.testing.assert_close(w[:n, : k // 2], codes, rtol=0, atol=0)
+    assert not w[n:].any() and not w[:, k // 2:].any()
+    # The swizzled scales cover the padded N and K (mm_fp4 sizes them from the padded weight) with zeros.
+    assert sf.dtype == torch.float8_e4m3fn and sf.shape == swizzled_shape(np_, kp // 16) == swizzled_shape(n, k // 16)
+    torch.testing.assert_close(sf.view(torch.uint8), swizzle_128x4(scales).view(torch.uint8), rtol=0, atol=0)
+
+
+def test_prepare_b12x_padding_decodes_to_zero(gen):
+    codes, scales, _ = _weight(40, 48, gen)
+    w, _ = R.prepare_b12x_weight(codes, scales)
+    assert not unpack_e2m1(w)[40:].any() and not unpack_e2m1(w)[:, 48:].any()
+
+
+def test_prepare_cublas_weight(gen):
+    codes, scales, _ = _weight(48, 64, gen)
+    w, sf = R.prepare_cublas_weight(codes, scales.view(torch.uint8))
+    assert w is codes
+    torch.testing.assert_close(sf.view(torch.uint8), swizzle_128x4(scales).view(torch.uint8), rtol=0, atol=0)
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("backend", R.W4A16_BACKENDS)
+def test_prepare_w4a16_passes_swizzled_scales(backend, gen, monkeypatch):
+    import flashinfer
+
+    seen = {}
+
+    def fake_prepare(b, b_descale, alpha, *, backend):
+        seen.update(b=b, sf=b_descale, alpha=alpha, backend=backend)
+        return b, b_descale, alpha
+
+    monkeypatch.setattr(flashinfer, "prepare_bf16_fp4_weights", fake_prepare)
+    codes, scales, p = _weight(64, 128, gen)
+    R.prepare_flashinfer_w4a16(codes, scales, p.weight_gs.dec.reshape(1), backend=backend)
+    assert seen["backend"] == backend and seen["b"].data_ptr() == codes.data_ptr()
+    torch.testing.assert_close(seen["sf"].view(torch.uint8), swizzle_128x4(scales).view(torch.uint8), rtol=0, atol=0)
+    assert seen["alpha"].shape == (1,) and seen["alpha"].dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda c, s: R.prepare_b12x_weight(c.to(torch.int8), s), TypeError, r"w_codes: expected dtype uint8"),
+        (lambda c, s: R.prepare_b12x_weight(c, s[:, :-1]), ValueError, r"w_scales: expected shape \[64, 8\]"),
+        (lambda c, s: R.prepare_b12x_weight(c, s.float()), TypeError, r"w_scales: expected dtype"),
+        (lambda c, s: R.prepare_cublas_weight(c[:, :-4], s), ValueError, r"w_codes: K = 120 .* multiple of 16"),
+        (lambda c, s: R.prepare_flashinfer_w4a16(c, s, torch.ones(2)), ValueError, r"weight_dec: one decode global"),
+        (lambda c, s: R.prepare_flashinfer_w4a16(c, s, torch.ones(1), backend="x"), ValueError, r"backend: expected"),
+    ],
+)
+def test_prepare_bad_input(call, error, match, gen):
+    codes, scales, _ = _weight(64, 128, gen)
+    with pytest.raises(error, match=match):
+        call(codes, scales)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Run-time argument checks and clean refusal where the route cannot run (CPU here, sm_90 on the H200)
+
+
+def _w4a4_args(t, n, k, gen, device="cpu"):
+    codes, scales, p = _weight(n, k, gen)
+    x = (torch.randn(t, k, generator=gen) * 2).to(torch.bfloat16)
+    alpha = (p.input_gs.dec * p.weight_gs.dec).reshape(1).to(torch.float32)
+    return x.to(device), p, codes.to(device), scales.to(device), p.input_gs.enc.reshape(1).to(device), alpha.to(device)
+
+
+def test_scaled_mm_argument_checks(gen):
+    x, p, codes, scales, enc, alpha = _w4a4_args(4, 32, 64, gen)
+    a = torch.zeros(4, 32, dtype=torch.uint8)
+    sa = torch.zeros(swizzled_shape(4, 4), dtype=torch.float8_e4m3fn)
+    w, sw = R.prepare_cublas_weight(codes, scales)
+    with pytest.raises(ValueError, match=r"a_scales_swizzled \(128x4-swizzled e4m3 scales\): expected shape \[128, 4\]"):
+        R.scaled_mm_nvfp4(a, sa[:4], w, sw, alpha, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"w_codes: expected shape \[32, 32\]"):
+        R.scaled_mm_nvfp4(a, sa, w[:, :16], sw, alpha, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"alpha: expected one fp32 value"):
+        R.scaled_mm_nvfp4(a, sa, w, sw, alpha.expand(2), torch.bfloat16)
+    with pytest.raises(TypeError, match=r"out_dtype"):
+        R.scaled_mm_nvfp4(a, sa, w, sw, alpha, torch.float32)
+    with pytest.raises(ValueError, match=r"bias: expected shape \[32\]"):
+        R.scaled_mm_nvfp4(a, sa, w, sw, alpha, torch.bfloat16, torch.zeros(31, dtype=torch.bfloat16))
+    assert R.scaled_mm_nvfp4(a[:0], sa[:0], w, sw, alpha, torch.bfloat16).shape == (0, 32)  # T = 0: no GPU needed
+
+
+def test_b12x_argument_checks(gen):
+    x, p, codes, scales, enc, alpha = _w4a4_args(3, 40, 48, gen)
+    w, sw = R.prepare_b12x_weight(codes, scales)
+    with pytest.raises(ValueError, match=r"w_codes: expected the prepare_b12x_weight layout \[64, 32\]"):
+        R.b12x_linear(x, enc, codes, sw, alpha, 40)
+    with pytest.raises(TypeError, match=r"x: expected dtype"):
+        R.b12x_linear(x.float(), enc, w, sw, alpha, 40)
+    with pytest.raises(ValueError, match=r"quantizer"):
+        R.b12x_linear(x, enc, w, sw, alpha, 40, quantizer="trtllm")
+    assert R.b12x_linear(x[:0], enc, w, sw, alpha, 40).shape == (0, 40)
+
+
+def _refuses_here():
+    """Where the vendor routes cannot run: this CPU machine, or a GPU that is not sm_120 (the H200)."""
+    return not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 12
+
+
+@pytest.mark.skipif(not _refuses_here(), reason="this GPU runs the vendor routes")
+@pytest.mark.parametrize("route", ["cublas", "b12x", "flashinfer_w4a16"])
+def test_routes_refuse_cleanly_off_sm120(route, gen):
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x, p, codes, scales, enc, alpha = _w4a4_args(4, 64, 128, gen, dev)
+    expected = r"needs CUDA tensors" if dev == "cpu" else r"sm_\d+"
+    with pytest.raises(R.Fp4RouteUnavailable, match=expected):
+        if route == "cublas":
+            w, sw = R.prepare_cublas_weight(codes, scales)
+            a = torch.zeros(4, 64, dtype=torch.uint8, device=dev)
+            sa = torch.zeros(swizzled_shape(4, 8), dtype=torch.float8_e4m3fn, device=dev)
+            R.scaled_mm_nvfp4(a, sa, w, sw, alpha, torch.bfloat16)
+        elif route == "b12x":
+            w, sw = R.prepare_b12x_weight(codes, scales)
+            R.b12x_linear(x, enc, w, sw, alpha, 64)
+        else:
+            R.flashinfer_w4a16_linear(x, (codes, scales, None), 64)
+
+
+@pytest.mark.gpu
+def test_refusal_reason_on_this_gpu():
+    cap = torch.cuda.get_device_capability()
+    if cap[0] == 12:
+        pytest.skip("sm_120: the routes are usable here")
+    assert R.cublas_refusal(cap, 4096, 4096) is not None or cap[0] == 10
+    assert R.b12x_refusal(cap, 4096, 4096) is not None
+    assert R.flashinfer_w4a16_refusal(cap, 4096, 4096) is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sm_120: real execution against the references
+
+SM120_SHAPES = [(1, 5120, 8192), (16, 10240, 5120), (17, 8192, 28672), (256, 5120, 25600), (2048, 10240, 5120),
+                (3, 40, 48)]
+
+
+def _close(out, ref):
+    # Same products, fp32 accumulation in another order and a bf16 output: a few bf16 ulps.
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
+
+
+@pytest.mark.sm120
+@pytest.mark.parametrize("fused_alpha", [True, False])
+@pytest.mark.parametrize("t,n,k", [s for s in SM120_SHAPES if s[1] % 16 == 0 and s[2] % 32 == 0])
+def test_cublas_sm120(t, n, k, fused_alpha):
+    gen = torch.Generator().manual_seed(t + n + k)
+    x, p, codes, scales, enc, alpha = _w4a4_args(t, n, k, gen, "cuda")
+    w, sw = R.prepare_cublas_weight(codes, scales)
+    out = R.cublas_linear(x, enc, w, sw, alpha, fused_alpha=fused_alpha)
+    _close(out, linear_w4a4_ref(x.cpu(), p.codes, p.scales, p.weight_gs, p.input_gs).cuda())
+
+
+@pytest.mark.sm120
+@pytest.mark.parametrize("quantizer", ["ours", "flashinfer"])
+@pytest.mark.parametrize("t,n,k", SM120_SHAPES)
+def test_b12x_sm120(t, n, k, quantizer):
+    if R.b12x_refusal(torch.cuda.get_device_capability(), n, k):
+        pytest.skip(R.b12x_refusal(torch.cuda.get_device_capability(), n, k))
+    gen = torch.Generator().manual_seed(t + n + k)
+    x, p, codes, scales, enc, alpha = _w4a4_args(t, n, k, gen, "cuda")
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16).cuda()
+    w, sw = R.prepare_b12x_weight(codes, scales)
+    out = R.b12x_linear(x, enc, w, sw, alpha, n, bias=bias, quantizer=quantizer)
+    _close(out, linear_w4a4_ref(x.cpu(), p.codes, p.scales, p.weight_gs, p.input_gs, bias=bias.cpu()).cuda())
+
+
+@pytest.mark.sm120
+@pytest.mark.parametrize("backend", R.W4A16_BACKENDS)
+@pytest.mark.parametrize("t,n,k", [(1, 5120, 8192), (16, 10240, 5120), (256, 8192, 28672)])
+def test_flashinfer_w4a16_sm120(t, n, k, backend):
+    reason = R.flashinfer_w4a16_refusal(torch.cuda.get_device_capability(), n, k, backend=backend)
+    if reason:
+        pytest.skip(reason)
+    gen = torch.Generator().manual_seed(t + n + k)
+    x, p, codes, scales, _, _ = _w4a4_args(t, n, k, gen, "cuda")
+    prepared = R.prepare_flashinfer_w4a16(codes, scales, p.weight_gs.dec.reshape(1).cuda(), backend=backend)
+    out = R.flashinfer_w4a16_linear(x, prepared, n, backend=backend)
+    _close(out, linear_w4a16_ref(x.cpu(), p.codes, p.scales, p.weight_gs.dec).cuda())
