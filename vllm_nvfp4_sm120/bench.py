@@ -116,6 +116,11 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
                     run = LINEAR_KERNELS[plan.kernel]
                     candidates[f"ours-w4a4 ({plan.kernel}, emulated MMA below sm_120)"] = lambda run=run, plan=plan: [
                         run(x, w.codes, w.scales, dec_rows, None, in_enc, alpha, None, **plan.kwargs) for w in ws]
+                if "gluon" in kernels and t <= 32:
+                    from .kernels.gluon_gemv import gemv
+
+                    candidates["ours-gluon-gemv (portable decode below sm_120)"] = lambda: [
+                        gemv(x, w.codes, w.scales, dec_rows) for w in ws]
                 if "cublas-bf16" in kernels:
                     if w_bf16 is None:
                         wb = unit_values(ws[0].codes, ws[0].scales).to(torch.bfloat16)
@@ -161,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("what", choices=["linear", "act_quant", "ceilings"])
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    p.add_argument("--kernels", default="w4a16,w4a4,cublas-bf16,naive")
+    p.add_argument("--kernels", default="w4a16,gluon,w4a4,cublas-bf16,naive")
     p.add_argument("--min-bytes", type=float, default=2e9)
     p.add_argument("--json", help="write rows as JSON here")
     args = p.parse_args(argv)

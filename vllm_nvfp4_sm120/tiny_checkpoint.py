@@ -64,17 +64,19 @@ _FP4_ARGS = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_
              "dynamic": False, "observer": "minmax", "actorder": None, "block_structure": None}
 
 
-def modelopt_quant_config(w4a16: bool = False) -> dict:
-    """``hf_quant_config.json`` as ModelOpt writes it (``kv_cache_quant_algo`` is mandatory for vLLM, null is fine)."""
-    return {
-        "producer": {"name": "modelopt", "version": "0.29.0"},
-        "quantization": {
-            "quant_algo": "W4A16_NVFP4" if w4a16 else "NVFP4",
-            "kv_cache_quant_algo": None,
-            "group_size": 16,
-            "exclude_modules": ["lm_head", "model.layers.*.mlp.gate"],
-        },
-    }
+def modelopt_quant_config(w4a16: bool = False, modules: list[str] | None = None) -> dict:
+    """``hf_quant_config.json`` as ModelOpt writes it (``kv_cache_quant_algo`` is mandatory for vLLM, null is fine).
+
+    W4A16: vLLM 0.33 accepts ``W4A16_NVFP4`` only per layer, under ``quant_algo: MIXED_PRECISION`` with a
+    ``quantized_layers`` map (a top-level ``W4A16_NVFP4`` is rejected as an unknown algo), so that is what we
+    write; ``modules`` are the quantized modules' names.
+    """
+    quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+             "exclude_modules": ["lm_head", "model.layers.*.mlp.gate"]}
+    if w4a16:
+        quant["quant_algo"] = "MIXED_PRECISION"
+        quant["quantized_layers"] = {m: {"quant_algo": "W4A16_NVFP4", "group_size": 16} for m in modules or []}
+    return {"producer": {"name": "modelopt", "version": "0.29.0"}, "quantization": quant}
 
 
 def compressed_tensors_quant_config(w4a16: bool = False) -> dict:
@@ -266,7 +268,8 @@ def write_tiny_checkpoint(
     save_file(tensors, str(out / SAFETENSORS_FILE), metadata={"format": "pt"})
     config = hf_config(shape)
     if fmt == MODELOPT:
-        (out / "hf_quant_config.json").write_text(json.dumps(modelopt_quant_config(w4a16), indent=2))
+        modules = [name for _, members in linear_groups(shape) for name, _, _ in members]
+        (out / "hf_quant_config.json").write_text(json.dumps(modelopt_quant_config(w4a16, modules), indent=2))
     else:
         config["quantization_config"] = compressed_tensors_quant_config(w4a16)
     (out / "config.json").write_text(json.dumps(config, indent=2))

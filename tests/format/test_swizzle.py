@@ -39,3 +39,8 @@ def test_e4m3_dtype_kept():
 def test_bad_buffer_size():
     with pytest.raises(ValueError, match="scales: a 128x4-swizzled buffer"):
         unswizzle_128x4(torch.zeros(100, dtype=torch.uint8), 130, 6)
+
+
+def test_zero_rows():
+    sw = swizzle_128x4(torch.zeros(0, 5, dtype=torch.uint8))
+    assert sw.shape == (0, 8)

@@ -112,7 +112,8 @@ def test_into_padded_code_buffer(gen):
     assert codes.data_ptr() == buf.data_ptr() and not buf[:, 24:].any()
 
 
-@pytest.mark.parametrize("tile", [dict(block_t=1, block_k=16), dict(block_t=4, block_k=64), dict(block_t=2, block_k=512)])
+@pytest.mark.parametrize("tile", [dict(block_t=1, block_k=16), dict(block_t=4, block_k=64),
+                                  dict(block_t=2, block_k=512)])
 def test_other_tiles(tile, gen):
     x = _activations(5, 96, torch.bfloat16, gen)
     _check(x.to(_device()), _enc(x), swizzled=True, **tile)
@@ -289,4 +290,5 @@ def test_cuda_graph_replay():
     graph.replay()
     ref = quantize_nvfp4(x2, gs)
     torch.testing.assert_close(codes.cpu(), ref.codes, rtol=0, atol=0)
-    torch.testing.assert_close(scales.cpu().view(torch.uint8), swizzle_128x4(ref.scales).view(torch.uint8), rtol=0, atol=0)
+    want = swizzle_128x4(ref.scales).view(torch.uint8)
+    torch.testing.assert_close(scales.cpu().view(torch.uint8), want, rtol=0, atol=0)

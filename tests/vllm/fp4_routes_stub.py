@@ -1,7 +1,8 @@
-"""A stand-in for ``kernels/fp4_routes.py`` (being written in parallel) with the names the glue calls.
+"""Make the cuBLAS and b12x routes selectable on a CPU-only machine.
 
-Used only when the real module lacks them; on CPU the op computes the torch reference and never calls the
-route functions, so the stub only has to get the load-time layout right.
+The refusal functions of ``kernels/fp4_routes.py`` (rightly) refuse a CPU or a missing toolkit; here they are
+replaced to accept, while the real load-time layout functions run.  A stand-in module is used only if the real
+one lacks a name.  On CPU the op computes the torch reference and never calls the route GEMMs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import torch.nn.functional as F
 
 from vllm_nvfp4_sm120.format import round_up, swizzle_128x4
 
-NAMES = ("cublas_refusal", "scaled_mm_nvfp4", "b12x_refusal", "prepare_b12x_weight", "b12x_linear")
+NAMES = ("cublas_refusal", "prepare_cublas_weight", "scaled_mm_nvfp4", "b12x_refusal", "prepare_b12x_weight",
+         "b12x_linear")
+REFUSALS = ("cublas_refusal", "b12x_refusal")
 
 
 def _prepare_b12x_weight(codes: torch.Tensor, scales: torch.Tensor):
@@ -31,18 +34,20 @@ def _not_on_cpu(*args, **kwargs):
 
 
 def install(mp) -> types.ModuleType:
-    """Make ``vllm_nvfp4_sm120.kernels.fp4_routes`` provide :data:`NAMES` (real module if it has them)."""
+    """Make ``vllm_nvfp4_sm120.kernels.fp4_routes`` provide :data:`NAMES`, with refusals that accept."""
     name = "vllm_nvfp4_sm120.kernels.fp4_routes"
     try:
         real = importlib.import_module(name)
         if all(hasattr(real, n) for n in NAMES):
+            for refusal in REFUSALS:
+                mp.setattr(real, refusal, lambda capability, n, k, **kw: None)
             return real
     except ImportError:
         pass
     stub = types.ModuleType(name)
-    stub.cublas_refusal = lambda n, k, device: None
-    stub.b12x_refusal = lambda n, k, device: None
+    stub.cublas_refusal = stub.b12x_refusal = lambda capability, n, k, **kw: None
     stub.prepare_b12x_weight = _prepare_b12x_weight
+    stub.prepare_cublas_weight = lambda codes, scales: (codes, swizzle_128x4(scales))
     stub.scaled_mm_nvfp4 = stub.b12x_linear = _not_on_cpu
     mp.setitem(sys.modules, name, stub)
     mp.setattr(importlib.import_module("vllm_nvfp4_sm120.kernels"), "fp4_routes", stub, raising=False)

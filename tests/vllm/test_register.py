@@ -32,15 +32,20 @@ def snapshot() -> dict:
 
 
 @pytest.fixture
-def pristine(monkeypatch):
+def pristine():
     """vLLM as it is without the plugin; the session's registration state is put back afterwards."""
-    was = plugin.is_registered()
+    was, version = plugin.is_registered(), vllm.__version__
     plugin.unregister()
     state = snapshot()
     yield state
     plugin.unregister()
     if was:
-        plugin.register()
+        # This teardown runs before the test's monkeypatch undoes the switch or the faked version.
+        with pytest.MonkeyPatch.context() as mp:
+            mp.delenv(plugin.ENV_SWITCH, raising=False)
+            mp.setattr(vllm, "__version__", version)
+            plugin.register()
+        assert plugin.is_registered()
 
 
 def _ours_installed() -> bool:

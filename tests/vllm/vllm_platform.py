@@ -41,7 +41,7 @@ def swap_platform(mp: pytest.MonkeyPatch, fake: Platform) -> Platform:
     mp.setattr(P, "_current_platform", fake)
     for name, mod in list(sys.modules.items()):
         if name.startswith("vllm") and not name.startswith("vllm_nvfp4_sm120"):
-            if vars(mod).get("current_platform") is real:
+            if getattr(mod, "__dict__", {}).get("current_platform") is real:
                 mp.setattr(mod, "current_platform", fake)
     return fake
 
@@ -68,7 +68,7 @@ def fake_cuda(mp: pytest.MonkeyPatch, cc: tuple[int, int]) -> Platform:
     nvfp4_utils = sys.modules["vllm.model_executor.layers.quantization.utils.nvfp4_utils"]
     cutlass_fp4_supported = nvfp4_utils.cutlass_fp4_supported
     for name, mod in list(sys.modules.items()):
-        if name.startswith("vllm") and vars(mod).get("cutlass_fp4_supported") is cutlass_fp4_supported:
+        if name.startswith("vllm") and getattr(mod, "__dict__", {}).get("cutlass_fp4_supported") is cutlass_fp4_supported:
             mp.setattr(mod, "cutlass_fp4_supported", lambda: False)  # it asks vllm._C
     return swap_platform(mp, FakeCudaPlatform())
 

@@ -30,9 +30,12 @@ def swizzle_128x4(scales: torch.Tensor) -> torch.Tensor:
     check_tensor("scales", scales, ndim=(2, 3))
     *lead, m, kb = scales.shape
     mp, kp = swizzled_shape(m, kb)
-    flat = scales.reshape(-1, m, kb)
+    batch = scales.shape[0] if lead else 1
+    flat = scales.reshape(batch, m, kb)
     padded = flat.new_zeros((flat.shape[0], mp, kp))
     padded[:, :m, :kb] = flat
+    if mp == 0 or kp == 0:  # no rows (T = 0) or no scale columns: nothing to interleave
+        return padded.reshape(*lead, mp, kp)
     tiles = padded.reshape(-1, mp // 128, 4, 32, kp // 4, 4).permute(0, 1, 4, 3, 2, 5)
     return tiles.contiguous().reshape(*lead, mp, kp)
 

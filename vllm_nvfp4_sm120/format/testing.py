@@ -29,9 +29,8 @@ class LinearProblem:
     @property
     def dec_rows(self) -> torch.Tensor:
         """Per-output-row decode global: what the W4A16 path applies, each part its own."""
-        return torch.repeat_interleave(
-            torch.stack([g.dec for g in self.part_globals]), torch.tensor(self.logical_widths)
-        )
+        decs = torch.stack([g.dec for g in self.part_globals])
+        return torch.repeat_interleave(decs, torch.tensor(self.logical_widths, device=decs.device))
 
     def to(self, device) -> LinearProblem:
         return LinearProblem(self.codes.to(device), self.scales.to(device), [g.to(device) for g in self.part_globals],

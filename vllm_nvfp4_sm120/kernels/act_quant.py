@@ -211,7 +211,9 @@ def quantize_act_nvfp4(
     bt = block_t or cfg["block_t"]
     bk = block_k or cfg["block_k"]
     if bk % 16 or bk & (bk - 1) or bt & (bt - 1):
-        raise ValueError(f"quantize_act_nvfp4: block_k ({bk}) must be a power of two >= 16, block_t ({bt}) a power of two")
+        raise ValueError(
+            f"quantize_act_nvfp4: block_k ({bk}) must be a power of two >= 16, block_t ({bt}) a power of two"
+        )
     if native_e4m3 is None:
         native_e4m3 = x.device.type == "cuda"  # the interpreter's fp8 cast is not RNE
     grid = (triton.cdiv(sf_rows, bt), triton.cdiv(sf_cols * 16, bk))

@@ -3,8 +3,9 @@
 None of these can run on the CPU or on the H200 (sm_90): cuBLAS block-scaled FP4 needs sm_100/sm_120, b12x and
 ``cute-dsl-native`` are sm_120/121 kernels.  Each route therefore has
 
-* a **load-time refusal** ``<route>_refusal(capability, n, k, ...) -> str | None`` (None: usable), so dispatch can
-  pick another route with a reason instead of failing at the first forward;
+* a **load-time refusal** ``<route>_refusal(capability, n, k, ...) -> str | None`` (None: usable; ``capability``
+  is ``(major, minor)`` or a device), so dispatch can pick another route with a reason instead of failing at the
+  first forward;
 * a **load-time preparation** of the checkpoint weight (the codes stay the checkpoint's own tensor unless the
   route must pad them; only the *scales* get a swizzled copy), testable on the CPU;
 * a **run** function that checks its arguments and raises :class:`Fp4RouteUnavailable` on a GPU it cannot use.
@@ -47,6 +48,16 @@ def _cc(capability: Capability) -> str:
     return f"sm_{capability[0]}{capability[1]}"
 
 
+def _capability(where: Capability | torch.device | str) -> Capability | str:
+    """A (major, minor) tuple as given, or the capability of a device; a refusal string for a non-CUDA device."""
+    if isinstance(where, tuple):
+        return where
+    device = torch.device(where)
+    if device.type != "cuda":
+        return f"needs a CUDA device, got {device}"
+    return torch.cuda.get_device_capability(device)
+
+
 def _require_gpu(route: str, t: torch.Tensor, refuse) -> None:
     if t.device.type != "cuda":
         raise Fp4RouteUnavailable(f"{route}: needs CUDA tensors, got a tensor on {t.device}")
@@ -59,7 +70,9 @@ def _require_gpu(route: str, t: torch.Tensor, refuse) -> None:
 def _check_alpha(alpha: torch.Tensor, device: torch.device) -> None:
     check_tensor("alpha", alpha, dtype=torch.float32, device=device)
     if alpha.numel() != 1:
-        raise ValueError(f"alpha: expected one fp32 value (input decode x weight decode), got shape {list(alpha.shape)}")
+        raise ValueError(
+            f"alpha: expected one fp32 value (input decode x weight decode), got shape {list(alpha.shape)}"
+        )
 
 
 def _check_weight(w_codes: torch.Tensor, w_scales: torch.Tensor) -> tuple[int, int, torch.Tensor]:
@@ -76,13 +89,18 @@ def _check_weight(w_codes: torch.Tensor, w_scales: torch.Tensor) -> tuple[int, i
 # cuBLAS: torch._scaled_mm on float4_e2m1fn_x2
 
 
-def cublas_refusal(capability: Capability, n: int, k: int, *, cuda_version: str | None = None) -> str | None:
+def cublas_refusal(
+    capability: Capability | torch.device, n: int, k: int, *, cuda_version: str | None = None
+) -> str | None:
     """Why the cuBLAS NVFP4 route cannot serve an ``[N, K]`` weight on ``capability`` (None: it can).
 
     cuBLASLt block-scaled FP4 (CUDA >= 12.8) exists on sm_100/sm_103 and sm_120/sm_121 only.  torch._scaled_mm
     asserts K/2 % 16 == 0 on the FP4 operands and N % 16 == 0 on the weight; we refuse those instead of padding
     (every checkpoint shape we ship satisfies them).
     """
+    capability = _capability(capability)
+    if isinstance(capability, str):
+        return capability
     if not hasattr(torch, "float4_e2m1fn_x2"):
         return f"torch {torch.__version__} has no float4_e2m1fn_x2 dtype"
     if capability[0] not in (10, 12):
@@ -212,7 +230,9 @@ def _b12x_min_cuda():
         return Version(B12X_MIN_CUDA)
 
 
-def b12x_refusal(capability: Capability, n: int, k: int, *, cuda_version: str | None = None) -> str | None:
+def b12x_refusal(
+    capability: Capability | torch.device, n: int, k: int, *, cuda_version: str | None = None
+) -> str | None:
     """Why FlashInfer ``mm_fp4(backend="b12x")`` cannot serve an ``[N, K]`` weight (None: it can).
 
     N % 8 != 0 is refused: FlashInfer returns wrong output there even with N padded.  K only needs % 16 (the
@@ -220,6 +240,9 @@ def b12x_refusal(capability: Capability, n: int, k: int, *, cuda_version: str | 
     """
     from packaging.version import Version
 
+    capability = _capability(capability)
+    if isinstance(capability, str):
+        return capability
     if k % 16:
         return f"K = {k} is not a multiple of 16 (one NVFP4 scale per 16 elements)"
     if n % 8:
@@ -259,9 +282,9 @@ def prepare_b12x_weight(w_codes: torch.Tensor, w_scales: torch.Tensor) -> tuple[
 
 def b12x_linear(
     x: torch.Tensor,
-    in_enc: torch.Tensor,
     w_codes: torch.Tensor,
     w_scales_swizzled: torch.Tensor,
+    in_enc: torch.Tensor,
     alpha: torch.Tensor,
     n: int,
     *,
@@ -280,8 +303,8 @@ def b12x_linear(
     n_pad, k_pad = w_codes.shape[0], 2 * w_codes.shape[1]
     if k_pad != round_up(k, B12X_ALIGN) or n_pad != round_up(n, B12X_ALIGN):
         raise ValueError(
-            f"w_codes: expected the prepare_b12x_weight layout [{round_up(n, B12X_ALIGN)}, {round_up(k, B12X_ALIGN) // 2}] "
-            f"for N = {n}, K = {k}, got {list(w_codes.shape)}"
+            f"w_codes: expected the prepare_b12x_weight layout [{round_up(n, B12X_ALIGN)}, "
+            f"{round_up(k, B12X_ALIGN) // 2}] for N = {n}, K = {k}, got {list(w_codes.shape)}"
         )
     sf = as_e4m3("w_scales_swizzled", w_scales_swizzled)
     check_tensor("w_scales_swizzled (128x4-swizzled e4m3 scales)", sf, shape=list(swizzled_shape(n, k // 16)),
@@ -318,9 +341,17 @@ def b12x_linear(
 
 
 def flashinfer_w4a16_refusal(
-    capability: Capability, n: int, k: int, *, backend: str = "cute-dsl", act_dtype: torch.dtype = torch.bfloat16
+    capability: Capability | torch.device,
+    n: int,
+    k: int,
+    *,
+    backend: str = "cute-dsl",
+    act_dtype: torch.dtype = torch.bfloat16,
 ) -> str | None:
     """Why ``mm_bf16_fp4(backend=...)`` cannot serve an ``[N, K]`` weight with ``act_dtype`` activations."""
+    capability = _capability(capability)
+    if isinstance(capability, str):
+        return capability
     if backend not in W4A16_BACKENDS:
         return f"backend {backend!r} is not one of {W4A16_BACKENDS}"
     if act_dtype != torch.bfloat16:

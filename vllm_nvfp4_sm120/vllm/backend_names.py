@@ -134,7 +134,7 @@ def extend_literal(spec: tuple[str, str, Sequence[str]], names: Sequence[str]) -
     for owner in owners:
         _retype_class(_resolve(owner), old, new, undo)
     for mod_name, mod in list(sys.modules.items()):
-        if mod_name.split(".")[0] == "vllm" and vars(mod).get(alias) is old:
+        if mod_name.split(".")[0] == "vllm" and getattr(mod, "__dict__", {}).get(alias) is old:
             undo.setattr(mod, alias, new)
     undo.steps.insert(0, _clear_arg_caches)
     _APPLIED[key] = (original, undo)

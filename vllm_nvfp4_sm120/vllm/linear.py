@@ -29,7 +29,7 @@ from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearKernel, NvF
 from vllm.model_executor.utils import replace_parameter
 
 from ..dispatch import linear as dispatch_linear
-from ..format import check_tensor, swizzle_128x4
+from ..format import check_tensor
 from . import scale_policy
 
 logger = init_logger("vllm.nvfp4_sm120")
@@ -68,6 +68,12 @@ def requested_backends() -> set[str]:
         return set()
     kc = config.kernel_config
     return {kc.linear_backend, *(kc.linear_backend_per_quant or {}).values()}
+
+
+def _capability_of(layer: torch.nn.Module) -> tuple[int, int] | torch.device:
+    """What the fp4_routes refusal functions take: vLLM's view of the GPU, else the weight's (non-CUDA) device."""
+    cc = current_capability()
+    return (cc // 10, cc % 10) if cc is not None else layer.weight.device
 
 
 def _route_refusal(route: str, cc: int) -> str | None:
@@ -209,17 +215,21 @@ class CublasNvFp4LinearKernel(Sm120NvFp4LinearKernel):
     """cuBLAS block-scaled FP4 GEMM (``torch._scaled_mm``) for prefill; needs swizzled weight scales."""
 
     route, backend_name, w4a4 = "cublas", "nvfp4_sm120_cublas", True
-    fp4_routes_needs = ("cublas_refusal", "scaled_mm_nvfp4")
+    fp4_routes_needs = ("cublas_refusal", "prepare_cublas_weight", "scaled_mm_nvfp4")
 
     def layer_refusal(self, layer, n, k, w4a4):
         if (why := super().layer_refusal(layer, n, k, w4a4)) is not None:
             return why
         from ..kernels.fp4_routes import cublas_refusal
 
-        return cublas_refusal(n, k, layer.weight.device)
+        return cublas_refusal(_capability_of(layer), n, k)
 
     def _prepare_weight(self, layer):
-        return swizzle_128x4(layer.weight_scale.data)
+        from ..kernels.fp4_routes import prepare_cublas_weight
+
+        codes, scales_swizzled = prepare_cublas_weight(layer.weight.data, layer.weight_scale.data)
+        assert codes is layer.weight.data or codes.data_ptr() == layer.weight.data_ptr(), "cuBLAS keeps the codes"
+        return scales_swizzled
 
 
 class B12xNvFp4LinearKernel(Sm120NvFp4LinearKernel):
@@ -233,7 +243,7 @@ class B12xNvFp4LinearKernel(Sm120NvFp4LinearKernel):
             return why
         from ..kernels.fp4_routes import b12x_refusal
 
-        return b12x_refusal(n, k, layer.weight.device)
+        return b12x_refusal(_capability_of(layer), n, k)
 
     def _prepare_weight(self, layer):
         from ..kernels.fp4_routes import prepare_b12x_weight

@@ -122,7 +122,7 @@ def _install_linear() -> None:
 
     setattr(init_nvfp4_linear_kernel, _MARK, original)
     for mod_name, mod in list(sys.modules.items()):
-        if mod_name.split(".")[0] == "vllm" and vars(mod).get("init_nvfp4_linear_kernel") is original:
+        if mod_name.split(".")[0] == "vllm" and getattr(mod, "__dict__", {}).get("init_nvfp4_linear_kernel") is original:
             _set(mod, "init_nvfp4_linear_kernel", init_nvfp4_linear_kernel)
 
     # 4. per-part weight globals, captured before vLLM merges them
