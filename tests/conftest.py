@@ -26,9 +26,9 @@ def pytest_collection_modifyitems(config, items):
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
     no_sm120 = pytest.mark.skip(reason=f"needs an sm_120 GPU (this machine: {'no GPU' if cc is None else f'sm_{cc[0]}{cc[1]}'})")
     for item in items:
-        if "sm120" in item.keywords and (cc is None or cc[0] != 12):
+        if item.get_closest_marker("sm120") and (cc is None or cc[0] != 12):
             item.add_marker(no_sm120)
-        elif "gpu" in item.keywords and cc is None:
+        elif item.get_closest_marker("gpu") and cc is None:
             item.add_marker(no_gpu)
 
 
