@@ -65,6 +65,20 @@ def time_graph(fn: Callable[[], object], repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+def time_eager(fn: Callable[[], object], repeats: int = 5) -> float:
+    """Median seconds of ``fn`` run eagerly (for code that cannot be captured, e.g. allocating per call)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
 def dram_read_tbs(nbytes: int = 4 << 30) -> float:
     """Read bandwidth ceiling: a sum over a buffer 80x larger than L2 (reads dominate; the write is one scalar)."""
     x = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
@@ -131,7 +145,7 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
                         torch.bfloat16).t()
                 for name, fn in candidates.items():
                     calls = len(w_bf16) if name.startswith("cublas") else (1 if name.startswith("torch") else copies)
-                    sec = time_graph(fn) / calls
+                    sec = (time_eager(fn) if name.startswith("torch") else time_graph(fn)) / calls
                     read = (2 * n * k if name.startswith("cublas") else wbytes) / sec / 1e12
                     rows.append(Row(model, layer, n, k, t, name, sec * 1e6, flops / sec / 1e12, read))
                     print(_fmt(rows[-1]), flush=True)
@@ -156,6 +170,99 @@ def bench_act_quant(ks: list[int], tokens: list[int]) -> list[Row]:
     return rows
 
 
+def sweep_w4a16_gemv(models: list[str], tokens: list[int], min_bytes: int) -> list[Row]:
+    """Every (block_n, block_k, warps, stages, split_k) of the Triton W4A16 decode kernel on each shape: the data
+    the dispatch rules are written from."""
+    import itertools
+
+    from .kernels.w4a16_linear import w4a16_gemv
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for model in models:
+        for layer, n, k in MODELS[model]:
+            wbytes = n * k // 2 + n * k // 16
+            base = random_nvfp4((n, k), gen=gen, device="cuda")
+            ws = [base] + [NvFp4(base.codes.clone(), base.scales.clone()) for _ in range(_copies(wbytes, min_bytes) - 1)]
+            dec_rows = torch.full((n,), 0.01, device="cuda")
+            for t in tokens:
+                x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
+                best = None
+                for bn, bk, nw, ns, sk in itertools.product((32, 64, 128), (256, 512), (4, 8), (3, 4), (1, 2, 4)):
+                    if bk * sk > k or (bn == 128 and nw == 4):
+                        continue
+                    cfg = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, split_k=sk)
+                    try:
+                        sec = time_graph(lambda: [w4a16_gemv(x, w.codes, w.scales, dec_rows, **cfg) for w in ws]) / len(ws)
+                    except Exception as e:  # a config that does not compile or fit is reported, not fatal
+                        print(f"# {layer} t={t} {cfg}: {type(e).__name__}", flush=True)
+                        continue
+                    row = Row(model, layer, n, k, t, f"w4a16_gemv {cfg}", sec * 1e6, 2 * t * n * k / sec / 1e12,
+                              wbytes / sec / 1e12)
+                    rows.append(row)
+                    best = row if best is None or row.us < best.us else best
+                print("best:", _fmt(best), flush=True)
+            del ws
+    return rows
+
+
+MOE_SHAPES = {  # name: (H, I, E, top_k)
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "qwen3-235b-a22b": (4096, 1536, 128, 8),
+    "deepseek-v3": (7168, 2048, 256, 8),
+    "qwen3-next-80b-a3b": (2048, 512, 512, 10),
+}
+MOE_TOKENS = (16, 64, 256, 1024, 4096, 8192)
+
+
+def _gpu_nvfp4(shape, gen: torch.Generator) -> NvFp4:
+    """Random codes and e4m3 scales drawn on the GPU (GBs of expert weights; the CPU generator is too slow)."""
+    *lead, k = shape
+    codes = torch.randint(0, 256, (*lead, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
+    exp = torch.randint(-3, 2, (*lead, k // 16), device="cuda", generator=gen).float()
+    mant = torch.randint(0, 8, (*lead, k // 16), device="cuda", generator=gen).float()
+    return NvFp4(codes, (torch.exp2(exp) * (1 + mant / 8)).to(torch.float8_e4m3fn))
+
+
+def bench_moe(shapes: list[str], tokens: list[int]) -> list[Row]:
+    """Whole MoE layer (align + gate_up + act + down + top-k sum) vs the cuBLAS bf16 ceiling on the same FLOPs."""
+    from .dispatch.moe_flow import nvfp4_moe, plan_for
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for name in shapes:
+        h, i, e, k = MOE_SHAPES[name]
+        w13, w2 = _gpu_nvfp4((e, 2 * i, h), gen), _gpu_nvfp4((e, h, i), gen)
+        d13 = torch.full((e,), 0.01, device="cuda")
+        d2 = torch.full((e,), 0.01, device="cuda")
+        enc = torch.full((1,), 50.0, device="cuda")
+        for t in tokens:
+            x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
+            logits = torch.randn(t, e, device="cuda", generator=gen)
+            tw, ti = torch.softmax(logits, -1).topk(k, -1)
+            tw, ti = (tw / tw.sum(-1, keepdim=True)).float(), ti.to(torch.int32)
+            flops = 2 * t * k * 3 * h * i  # useful FLOPs: gate, up and down per routed token
+            a = torch.randn(t * k, h, device="cuda").to(torch.bfloat16)
+            wg = torch.randn(2 * i, h, device="cuda").to(torch.bfloat16)
+            a2 = torch.randn(t * k, i, device="cuda").to(torch.bfloat16)
+            wd = torch.randn(h, i, device="cuda").to(torch.bfloat16)
+            candidates = {
+                "ours-w4a16": lambda: nvfp4_moe(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti),
+                "ours-w4a4 (emulated MMA below sm_120)": lambda: nvfp4_moe(
+                    x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, a13_enc=enc, a2_enc=enc),
+                "cublas-bf16 same FLOPs (ceiling)": lambda: (a @ wg.t(), a2 @ wd.t()),
+            }
+            for cand, fn in candidates.items():
+                plan = plan_for(x, w13.codes, w2.codes, ti, w4a4="w4a4" in cand)
+                sec = time_graph(fn)
+                note = "" if cand.startswith("cublas") else f"{plan.kernel} block_m={plan.block_m}"
+                rows.append(Row(name, "moe", h, i, t, cand, sec * 1e6, flops / sec / 1e12, 0.0, note))
+                print(_fmt(rows[-1]), flush=True)
+        del w13, w2
+        torch.cuda.empty_cache()
+    return rows
+
+
 def _fmt(r: Row) -> str:
     return (f"{r.model:14} {r.layer:9} {r.n:6} {r.k:6} {r.t:5}  {r.kernel:58} {r.us:10.1f} us "
             f"{r.tflops:8.1f} TFLOP/s {r.read_tbs:6.2f} TB/s {r.note}")
@@ -163,7 +270,7 @@ def _fmt(r: Row) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m vllm_nvfp4_sm120.bench")
-    p.add_argument("what", choices=["linear", "act_quant", "ceilings"])
+    p.add_argument("what", choices=["linear", "moe", "act_quant", "sweep_gemv", "ceilings"])
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--kernels", default="w4a16,gluon,w4a4,cublas-bf16,naive")
@@ -178,6 +285,12 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[Row] = []
     if args.what == "linear":
         rows = bench_linear(args.models.split(","), tokens, int(args.min_bytes), args.kernels.split(","))
+    elif args.what == "moe":
+        rows = bench_moe(args.models.split(",") if args.models != ",".join(MODELS) else list(MOE_SHAPES),
+                         [int(t) for t in args.tokens.split(",")] if args.tokens != ",".join(map(str, TOKENS))
+                         else list(MOE_TOKENS))
+    elif args.what == "sweep_gemv":
+        rows = sweep_w4a16_gemv(args.models.split(","), tokens, int(args.min_bytes))
     elif args.what == "act_quant":
         rows = bench_act_quant([5120, 8192, 25600, 28672], tokens)
     if args.json:

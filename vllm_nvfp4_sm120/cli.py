@@ -203,6 +203,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     groups = set(args.kernels.split(","))
     major, minor = torch.cuda.get_device_capability()
     cc = major * 10 + minor
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     vllm_kernels, skipped = vllm_kernel_factories(ckpt_w4a4) if "vllm" in groups else ({}, {})
     ceilings = {"dram_read_tbs": dram_read_tbs(), "cublas_bf16_tflops_8192": cublas_bf16_tflops()}
     gen = torch.Generator().manual_seed(0)
@@ -244,7 +245,7 @@ def run_bench(args: argparse.Namespace) -> dict:
                 for route, wanted in routes.items():
                     if not wanted:
                         continue
-                    plan = select_linear(cc, route, t, n, k)
+                    plan = select_linear(cc, route, t, n, k, sm_count=sm_count)
                     fn = LINEAR_KERNELS[plan.kernel]
                     cands[f"ours-{route} ({plan.kernel})"] = (
                         lambda fn=fn, plan=plan: [fn(x, w.codes, w.scales, dec_rows, None, in_enc, alpha, None,

@@ -1,8 +1,9 @@
 """sm_120 compile checks for every MoE kernel and every tile the dispatch can pick (no GPU needed).
 
 Each distinct (kernel, constexprs, warps, stages) is compiled once per module.  Asserted: the native FP4 MMA
-(OMMA) in the W4A4 GEMMs, TMA (``cp.async.bulk.tensor``) where the plan promises it, no local memory, shared
-memory within sm_120's 99 KB.
+(OMMA) in the W4A4 GEMMs with IEEE divisions and the RNE e4m3 convert in their scale math, TMA
+(``cp.async.bulk.tensor``) where the plan promises it, no local memory and no stack frame, shared memory within
+sm_120's 99 KB.
 """
 
 import functools
@@ -17,6 +18,7 @@ from vllm_nvfp4_sm120.kernels.aot import PTX_TMA_LOAD, SASS_OMMA_NVFP4, compile_
 
 pytestmark = pytest.mark.compile
 SM120 = (12, 0)
+E4M3_CVT = r"cvt\.rn\.satfinite\.e4m3x2\.f32"
 _LOG = []
 
 
@@ -53,7 +55,7 @@ def _gemm_jobs():
                 name = "_moe_w4a4_gate_up_kernel" if which == "gate_up" else "_moe_w4a4_down_kernel"
                 sig = w4.MOE_W4A4_GATE_UP_SIGNATURE if which == "gate_up" else w4.MOE_W4A4_DOWN_SIGNATURE
                 div = w4.MOE_W4A4_GATE_UP_DIVISIBLE if which == "gate_up" else w4.MOE_W4A4_DOWN_DIVISIBLE
-                consts = dict(DECODE=p.decode)
+                consts = dict(DECODE=p.decode) | (dict(NATIVE_E4M3=True) if which == "gate_up" else {})
             consts |= (dict(ACTIVATION="silu") if which == "gate_up" else dict(DETERMINISTIC=False))
             consts |= dict(BLOCK_M=p.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m)
             key = (name, tuple(sorted(consts.items())), tile.num_warps, tile.num_stages)
@@ -68,6 +70,10 @@ def test_gemm_compiles_for_sm120(job):
     rep = compile_(name, sig, consts, div, warps, stages)
     if kernel == "w4a4":
         rep.require_sass(SASS_OMMA_NVFP4)
+        # Exact scales: IEEE divisions (alpha's 1 / enc; the epilogue's 1 / block decode) and the RNE e4m3 convert.
+        rep.require_ptx(r"div\.rn\.f32")
+        if "gate_up" in name:
+            rep.require_ptx(E4M3_CVT)
     if use_tma:
         rep.require_ptx(PTX_TMA_LOAD)
     rep.require_no_local().require_smem()
@@ -78,7 +84,8 @@ def test_gated_variants_compile():
     plan = [p for p in all_moe_plans(SM120) if p.kernel == "w4a4"][-1]
     base = dict(DECODE=False, BLOCK_M=plan.block_m, BLOCK_K=plan.gate_up.block_k, GROUP_M=8)
     rep = compile_("vllm_nvfp4_sm120.kernels.moe_w4a4:_moe_w4a4_gate_up_kernel", w4.MOE_W4A4_GATE_UP_SIGNATURE,
-                   base | dict(ACTIVATION="gelu_tanh", BLOCK_N=plan.gate_up.block_n), w4.MOE_W4A4_GATE_UP_DIVISIBLE,
+                   base | dict(ACTIVATION="gelu_tanh", NATIVE_E4M3=True, BLOCK_N=plan.gate_up.block_n),
+                   w4.MOE_W4A4_GATE_UP_DIVISIBLE,
                    plan.gate_up.num_warps, plan.gate_up.num_stages)
     rep.require_sass(SASS_OMMA_NVFP4).require_no_local().require_smem()
     rep = compile_("vllm_nvfp4_sm120.kernels.moe_w4a4:_moe_w4a4_down_kernel", w4.MOE_W4A4_DOWN_SIGNATURE,
@@ -87,7 +94,7 @@ def test_gated_variants_compile():
     rep.require_sass(SASS_OMMA_NVFP4).require_no_local().require_smem()
 
 
-def test_align_quant_and_sum_kernels_compile():
+def test_align_and_sum_kernels_compile():
     m = "vllm_nvfp4_sm120.kernels.moe_align:"
     for bm in (16, 32, 64, 128):
         compile_(m + "_prefix_kernel", al.MOE_PREFIX_SIGNATURE,
@@ -100,5 +107,4 @@ def test_align_quant_and_sum_kernels_compile():
              al.MOE_COUNT_DIVISIBLE).require_no_local().require_smem()
     compile_(m + "_moe_sum_kernel", al.MOE_SUM_SIGNATURE, dict(BLOCK_H=1024),
              al.MOE_SUM_DIVISIBLE).require_no_local()
-    compile_("vllm_nvfp4_sm120.kernels.moe_w4a4:_moe_quant_rows_kernel", w4.MOE_QUANT_SIGNATURE,
-             dict(BLOCK_T=16, BLOCK_H=256), w4.MOE_QUANT_DIVISIBLE).require_no_local().require_smem()
+    # The input quantization is act_quant's kernel, compiled for sm_120 in tests/kernels/test_act_quant.py.

@@ -7,6 +7,8 @@ Packed tensors hold two codes per byte, **element 2i in the low nibble** and 2i+
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .checks import check_tensor
@@ -21,8 +23,14 @@ E2M1_VALUES = E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES)
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
-def e2m1_table(dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+@functools.cache
+def _table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
+
+
+def e2m1_table(dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+    # Cached per device: a host-to-device copy per call would also break CUDA-graph capture.
+    return _table(dtype, torch.device(device or "cpu"))
 
 
 def decode_e2m1(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

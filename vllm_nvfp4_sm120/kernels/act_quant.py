@@ -89,6 +89,26 @@ def _e4m3_rne(s, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def quantize_blocks_nvfp4(x, enc, NATIVE_E4M3: tl.constexpr):
+    """fp32 blocks ``[R, NB, 16]`` → (packed e2m1 codes ``[R, NB, 8]`` uint8, e4m3 scale bytes ``[R, NB]`` uint8).
+
+    Bit-exact with ``format.quantize_nvfp4`` given the same fp32 values and ``enc`` (the encode global, fp32
+    scalar): the formula in the module docstring, in the same order.  The one implementation for every kernel
+    that quantizes to NVFP4 (activations here, the W4A4 MoE intermediate in ``moe_w4a4``); a kernel with a 2-D
+    ``[R, C]`` tile passes ``tl.reshape(tile, (R, C // 16, 16))``.  Element 2i of a block is the low nibble.
+    """
+    amax = tl.max(tl.abs(x), axis=2)
+    sf_byte, sf_val = _e4m3_rne(tl.minimum(enc * (amax * _ONE_SIXTH), 448.0), NATIVE_E4M3)
+    dec = sf_val * tl.div_rn(1.0, enc)
+    # 1/0 := 0 keeps an all-zero block at code 0 instead of 0 * inf = NaN.
+    is_zero = dec == 0.0
+    elem_scale = tl.where(is_zero, 0.0, tl.div_rn(tl.full(dec.shape, 1.0, tl.float32), tl.where(is_zero, 1.0, dec)))
+    codes = _e2m1_codes(x * elem_scale[:, :, None])
+    lo, hi = tl.split(tl.reshape(codes, (x.shape[0], x.shape[1], 8, 2)))
+    return (lo | (hi << 4)).to(tl.uint8), sf_byte.to(tl.uint8)
+
+
+@triton.jit
 def _act_quant_kernel(
     x_ptr, enc_ptr, codes_ptr, sf_ptr,
     T, K, stride_xt, stride_ct, stride_st,
@@ -111,18 +131,7 @@ def _act_quant_kernel(
     # evict_last: the activation stays in L2 for whatever reads it next (the residual, the next quant).
     x = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
 
-    enc = tl.load(enc_ptr)
-    amax = tl.max(tl.abs(x), axis=2)  # [BLOCK_T, NB]
-    sf = tl.minimum(enc * (amax * _ONE_SIXTH), 448.0)
-    sf_byte, sf_val = _e4m3_rne(sf, NATIVE_E4M3)
-    dec = sf_val * tl.div_rn(1.0, enc)
-    # 1/0 := 0 keeps an all-zero block at code 0 instead of 0 * inf = NaN.
-    is_zero = dec == 0.0
-    elem_scale = tl.where(is_zero, 0.0, tl.div_rn(tl.full(dec.shape, 1.0, tl.float32), tl.where(is_zero, 1.0, dec)))
-
-    codes = _e2m1_codes(x * elem_scale[:, :, None])  # [BLOCK_T, NB, 16]
-    lo, hi = tl.split(tl.reshape(codes, (BLOCK_T, NB, 8, 2)))  # element 2i goes to the low nibble
-    packed = (lo | (hi << 4)).to(tl.uint8)
+    packed, sf_byte = quantize_blocks_nvfp4(x, tl.load(enc_ptr), NATIVE_E4M3)  # [BLOCK_T, NB, 8], [BLOCK_T, NB]
     byte_idx = blk[:, None] * 8 + tl.arange(0, 8)[None, :]  # [NB, 8]
     c_ptrs = codes_ptr + rows64[:, None, None] * stride_ct + byte_idx[None, :, :]
     tl.store(c_ptrs, packed, mask=row_ok[:, None, None] & blk_ok[None, :, None])
@@ -136,7 +145,7 @@ def _act_quant_kernel(
     else:
         sf_off = rows64[:, None] * stride_st + blk[None, :]
         sf_mask = row_ok[:, None] & blk_ok[None, :]
-    tl.store(sf_ptr + sf_off, sf_byte.to(tl.uint8), mask=sf_mask)
+    tl.store(sf_ptr + sf_off, sf_byte, mask=sf_mask)
 
 
 def _next_pow2(n: int) -> int:

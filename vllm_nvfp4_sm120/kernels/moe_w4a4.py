@@ -2,19 +2,19 @@
 
 Flow (rows laid out by :func:`.moe_align.moe_align`):
 
-* ``_moe_quant_rows_kernel``: the layer input ``x [T, H]`` → NVFP4 codes ``[T, H/2]`` + e4m3 scales ``[T, H/16]``
-  with the gate_up input's static encode scale ``a13_enc`` (once per token, not per route).
+* :func:`.act_quant.quantize_act_nvfp4`: the layer input ``x [T, H]`` → NVFP4 codes ``[T, H/2]`` + e4m3 scales
+  ``[T, H/16]`` with the gate_up input's static encode scale ``a13_enc`` (once per token, not per route).
 * ``_moe_w4a4_gate_up_kernel``: gate rows ``n`` and up rows ``I + n`` of expert e in one program (two
-  accumulators); the epilogue applies ``alpha = w13_dec[e] / a13_enc``, the gated activation in fp32, and
+  accumulators); the epilogue applies ``alpha = w13_dec[e] * (1 / a13_enc)``, the gated activation in fp32, and
   quantizes the result straight to NVFP4 with the down input's static encode scale ``a2_enc``: codes
   ``[R, I/2]`` + scales ``[R, I/16]``.  No bf16 intermediate in memory, no separate activation or quant kernel.
-* ``_moe_w4a4_down_kernel``: ``alpha = w2_dec[e] / a2_enc``, times the routing weight, summed over the top-k
+* ``_moe_w4a4_down_kernel``: ``alpha = w2_dec[e] * (1 / a2_enc)``, times the routing weight, summed over the top-k
   routes into the fp32 output (atomics, or the deterministic per-route buffer; :func:`.moe_align.moe_route_store`).
 
-The quantizer (:func:`nvfp4_quantize_tile`) follows ``format.quantize_nvfp4`` operation by operation in fp32,
-with exact integer rounding to e4m3 and e2m1 (ties to even), so given the same fp32 inputs its codes and scales
-are bit-identical.  (The fp32 inputs themselves differ from the torch reference in the last ulps: summation
-order and ``exp``.)
+Both quantizations are :func:`.act_quant.quantize_blocks_nvfp4`, bit-exact with ``format.quantize_nvfp4`` given
+the same fp32 values (IEEE divisions via ``tl.div_rn``: a plain ``/`` is approximate on the GPU).  The
+intermediate's fp32 values themselves differ from the torch reference in the last ulps (summation order,
+``exp``), so a code can still round the other way where a value sits on a rounding midpoint.
 
 ``DECODE=False``: native NVFP4 MMA (``OMMA...E2M1.E2M1.UE4M3.4X`` on sm_120; Triton >= 3.8 emulates it exactly
 on sm_90).  ``DECODE=True``: exact pure-``tl`` decode + fp16 ``tl.dot`` (the interpreter's path).  Weights are
@@ -26,99 +26,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .act_quant import quantize_act_nvfp4, quantize_blocks_nvfp4
 from .fp4_decode import expand_scales_f32, unpack_rows_f32
 from .moe_align import MoeAlignment, moe_block_rows, moe_route_store
 from .moe_w4a16 import ACTIVATIONS, _check_bank, gated_activation_f32
-
-# ---------------------------------------------------------------------------------------------------------------
-# NVFP4 quantization of an fp32 tile, bit-exact with format.quantize_nvfp4
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _reciprocal(x):
-    # 1/0 -> 0, as format.quant._reciprocal (an all-zero block stays zero instead of 0 * inf = NaN).
-    return tl.where(x == 0.0, 0.0, 1.0 / tl.where(x == 0.0, 1.0, x))
-
-
-@triton.jit
-def _round_to_e4m3(s):
-    """Round ``s`` in [0, 448] to the nearest e4m3 value, ties to even, with exact integer arithmetic.
-
-    The step of e4m3 around ``s`` is 2^(max(exp(s), -6) - 3); ``s / step`` < 16 is exact, so rounding it to an
-    integer (ties to even) and scaling back is exactly what a round-to-nearest-even conversion does.
-    """
-    exp = ((s.to(tl.int32, bitcast=True) >> 23) & 255) - 127
-    step_exp = tl.maximum(exp, -6) - 3
-    step = ((step_exp + 127) << 23).to(tl.float32, bitcast=True)
-    inv_step = ((127 - step_exp) << 23).to(tl.float32, bitcast=True)
-    w = s * inv_step
-    n = w.to(tl.int32)  # truncation = floor for w >= 0
-    frac = w - n.to(tl.float32)
-    n += ((frac > 0.5) | ((frac == 0.5) & ((n & 1) == 1))).to(tl.int32)
-    return n.to(tl.float32) * step
-
-
-@triton.jit
-def _e4m3_bits(q):
-    """Bit pattern (int32 0..126) of an exactly representable non-negative e4m3 value."""
-    bits = q.to(tl.int32, bitcast=True)
-    normal = (((((bits >> 23) & 255) - 120) << 3) | ((bits >> 20) & 7))
-    return tl.where(q >= 0.015625, normal, (q * 512.0).to(tl.int32))
-
-
-@triton.jit
-def _round_to_e2m1(v):
-    """fp32 in [-6, 6] → e2m1 code (int32 0..15): nearest, ties to even, sign from the sign bit (-0 → 8)."""
-    mag = tl.abs(v)
-    code = (mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
-    code += (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
-    code += (mag > 5.0).to(tl.int32)
-    sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
-    return code | (sign << 3)
-
-
-@triton.jit
-def nvfp4_quantize_tile(v, enc, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """fp32 ``[ROWS, COLS]`` → (packed codes ``[ROWS, COLS/2]`` u8, e4m3 scale bytes ``[ROWS, COLS/16]`` u8).
-
-    Same fp32 operations in the same order as ``format.quantize_nvfp4``:
-    ``scale = e4m3(min(enc * (amax * (1/6)), 448))``, ``code = e2m1(clamp(v * 1/(scale * (1/enc)), -6, 6))``.
-    """
-    blocks = tl.reshape(v, (ROWS, COLS // 16, 16))
-    amax = tl.max(tl.abs(blocks), axis=2)
-    scale = _round_to_e4m3(tl.minimum(enc * (amax * 0.16666666666666666), 448.0))
-    elem_scale = _reciprocal(scale * _reciprocal(enc))
-    scaled = tl.minimum(tl.maximum(blocks * elem_scale[:, :, None], -6.0), 6.0)
-    codes = tl.reshape(_round_to_e2m1(scaled), (ROWS, COLS // 2, 2))
-    lo, hi = tl.split(codes)
-    return (lo | (hi << 4)).to(tl.uint8), _e4m3_bits(scale).to(tl.uint8)
-
-
-MOE_QUANT_SIGNATURE = {
-    "x_ptr": "*bf16", "enc_ptr": "*fp32", "codes_ptr": "*u8", "sf_ptr": "*u8",
-    "T": "i32", "H": "i32", "stride_xm": "i32", "stride_cm": "i32", "stride_sm": "i32",
-    "BLOCK_T": "constexpr", "BLOCK_H": "constexpr",
-}
-MOE_QUANT_DIVISIBLE = ["x_ptr", "enc_ptr", "codes_ptr", "sf_ptr", "H", "stride_xm", "stride_cm", "stride_sm"]
-
-
-@triton.jit
-def _moe_quant_rows_kernel(
-    x_ptr, enc_ptr, codes_ptr, sf_ptr, T, H, stride_xm, stride_cm, stride_sm,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    t_ok = offs_t < T
-    rows = offs_t[:, None].to(tl.int64)
-    x = tl.load(x_ptr + rows * stride_xm + offs_h[None, :], mask=t_ok[:, None] & (offs_h < H)[None, :], other=0.0)
-    codes, sf = nvfp4_quantize_tile(x.to(tl.float32), tl.load(enc_ptr), BLOCK_T, BLOCK_H)
-    offs_c = tl.program_id(1) * (BLOCK_H // 2) + tl.arange(0, BLOCK_H // 2)
-    offs_s = tl.program_id(1) * (BLOCK_H // 16) + tl.arange(0, BLOCK_H // 16)
-    tl.store(codes_ptr + rows * stride_cm + offs_c[None, :], codes, mask=t_ok[:, None] & (offs_c < H // 2)[None, :])
-    tl.store(sf_ptr + rows * stride_sm + offs_s[None, :], sf, mask=t_ok[:, None] & (offs_s < H // 16)[None, :])
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Grouped FP4 x FP4 GEMMs
@@ -131,8 +42,8 @@ MOE_W4A4_GATE_UP_SIGNATURE = {
     "R": "i32", "I": "i32", "K": "i32", "top_k": "i32", "max_blocks": "i32",
     "stride_am": "i32", "stride_asm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_wse": "i32",
     "stride_wsn": "i32", "stride_om": "i32", "stride_osm": "i32",
-    "ACTIVATION": "constexpr", "DECODE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-    "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
+    "ACTIVATION": "constexpr", "DECODE": "constexpr", "NATIVE_E4M3": "constexpr", "BLOCK_M": "constexpr",
+    "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
 }
 MOE_W4A4_DOWN_SIGNATURE = {
     "a_ptr": "*u8", "a_sf_ptr": "*u8", "w_ptr": "*u8", "w_sf_ptr": "*u8", "w_dec_ptr": "*fp32",
@@ -173,7 +84,7 @@ def _moe_w4a4_gate_up_kernel(
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     R, I, K, top_k, max_blocks,
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
-    ACTIVATION: tl.constexpr, DECODE: tl.constexpr,
+    ACTIVATION: tl.constexpr, DECODE: tl.constexpr, NATIVE_E4M3: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     num_n = tl.cdiv(I, BLOCK_N)
@@ -216,10 +127,12 @@ def _moe_w4a4_gate_up_kernel(
             su_ptrs += BLOCK_K // 16
 
         # alpha as the reference forms it: weight decode x input decode (1 / enc, IEEE division).
-        alpha = tl.load(w_dec_ptr + e) * _reciprocal(tl.load(a13_enc_ptr))
+        alpha = tl.load(w_dec_ptr + e) * tl.div_rn(1.0, tl.load(a13_enc_ptr))
         inter = gated_activation_f32(acc_g * alpha, acc_u * alpha, ACTIVATION)
         # BLOCK_N and I are multiples of 16, so every NVFP4 block of the intermediate lies in one tile.
-        codes, sf = nvfp4_quantize_tile(inter, tl.load(a2_enc_ptr), BLOCK_M, BLOCK_N)
+        codes, sf = quantize_blocks_nvfp4(tl.reshape(inter, (BLOCK_M, BLOCK_N // 16, 16)), tl.load(a2_enc_ptr),
+                                          NATIVE_E4M3)
+        codes = tl.reshape(codes, (BLOCK_M, BLOCK_N // 2))
         offs_c = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         offs_s = pid_n * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
         rows = route[:, None].to(tl.int64)
@@ -267,7 +180,7 @@ def _moe_w4a4_down_kernel(
             w_ptrs += BLOCK_K // 2
             s_ptrs += BLOCK_K // 16
 
-        alpha = tl.load(w_dec_ptr + e) * _reciprocal(tl.load(a2_enc_ptr))
+        alpha = tl.load(w_dec_ptr + e) * tl.div_rn(1.0, tl.load(a2_enc_ptr))
         weight = tl.load(topk_w_ptr + route, mask=row_ok, other=0.0)
         moe_route_store(out_ptr, (acc * alpha) * weight[:, None], route, row_ok, offs_n, n_ok, top_k, stride_om,
                         DETERMINISTIC)
@@ -289,43 +202,25 @@ def _check_enc(name: str, enc):
     return enc.reshape(1)
 
 
-def moe_quant_input(x, a13_enc, *, codes=None, scales=None):
-    """``x [T, H]`` (bf16/fp16, rows may be strided) → NVFP4 ``(codes [T, H/2] u8, scales [T, H/16] u8)``.
+def moe_quant_input(x, a13_enc):
+    """The gate_up input: ``x [T, H]`` → ``(codes [T, H/2] u8, scales [T, H/16] e4m3)``, one row per token.
 
-    Bit-identical to ``format.quantize_nvfp4(x, GlobalScale.from_encode(a13_enc))`` (scales as raw e4m3 bytes).
+    Just :func:`.act_quant.quantize_act_nvfp4` with linear scales (the name the MoE flow calls).
     """
-    import torch
-
-    from ..format.checks import ACT_DTYPES, check_tensor
-
-    check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
-    enc = _check_enc("a13_enc", a13_enc)
-    t, h = x.shape
-    if h % 16:
-        raise ValueError(f"x: H = {h} must be a multiple of 16 (one e4m3 scale per 16 values)")
-    if codes is None:
-        codes = torch.empty((t, h // 2), dtype=torch.uint8, device=x.device)
-    if scales is None:
-        scales = torch.empty((t, h // 16), dtype=torch.uint8, device=x.device)
-    if t == 0:
-        return codes, scales
-    block_t, block_h = 16, min(256, triton.next_power_of_2(h))
-    _moe_quant_rows_kernel[(triton.cdiv(t, block_t), triton.cdiv(h, block_h))](
-        x, enc, codes, scales, t, h, x.stride(0), codes.stride(0), scales.stride(0),
-        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
-    )
-    return codes, scales
+    return quantize_act_nvfp4(x, _check_enc("a13_enc", a13_enc))
 
 
 def moe_w4a4_gate_up(
     a_codes, a_scales, w13_codes, w13_scales, w13_dec, a13_enc, a2_enc, align: MoeAlignment, *,
     activation: str = "silu", decode: bool = False, block_n: int = 64, block_k: int = 128, group_m: int = 8,
-    num_warps: int = 4, num_stages: int = 3, out_codes=None, out_scales=None,
+    num_warps: int = 4, num_stages: int = 3, out_codes=None, out_scales=None, native_e4m3: bool | None = None,
 ):
     """NVFP4 intermediate per route: ``quant_a2(act(gate) * up)`` → ``(codes [R, I/2] u8, scales [R, I/16] u8)``.
 
     ``a_codes``/``a_scales``: the layer input quantized with ``a13_enc`` (:func:`moe_quant_input`), one row per
-    token.  Rows of routes that no local expert takes are left unwritten.
+    token.  Rows of routes that no local expert takes are left unwritten.  ``native_e4m3``: round the block
+    scales with the fp32 → e4m3 convert (sm_89+; default on CUDA) instead of integer arithmetic (the
+    interpreter's cast is not round-to-nearest-even); both are exact.
     """
     import torch
 
@@ -355,6 +250,8 @@ def moe_w4a4_gate_up(
     check_tensor("out_scales", out_scales, dtype=torch.uint8, shape=[r, i // 16], last_dim_contiguous=True)
     if r == 0:
         return out_codes, out_scales
+    if native_e4m3 is None:
+        native_e4m3 = a_codes.device.type == "cuda" and torch.cuda.get_device_capability(a_codes.device) >= (8, 9)
     grid = (align.max_blocks * triton.cdiv(i, block_n),)
     _moe_w4a4_gate_up_kernel[grid](
         a_codes, a_scales.view(torch.uint8), w13_codes, w_sf, w13_dec,
@@ -363,7 +260,7 @@ def moe_w4a4_gate_up(
         r, i, h, align.top_k, align.max_blocks,
         a_codes.stride(0), a_scales.stride(0), w13_codes.stride(0), w13_codes.stride(1), w_sf.stride(0),
         w_sf.stride(1), out_codes.stride(0), out_scales.stride(0),
-        ACTIVATION=activation, DECODE=decode,
+        ACTIVATION=activation, DECODE=decode, NATIVE_E4M3=native_e4m3,
         BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -33,9 +33,9 @@ from collections.abc import Callable
 
 import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+import vllm.model_executor.layers.fused_moe.oracle.nvfp4 as oracle
 from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-import vllm.model_executor.layers.fused_moe.oracle.nvfp4 as oracle
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEParallelConfig,
@@ -343,9 +343,11 @@ def _choose(config: FusedMoEConfig, weight_key, activation_key) -> str | None:
             return f"chosen automatically on sm_12x only (this GPU: {'none' if cc is None else f'sm_{cc}'})"
         if activation_key is None:
             return "W4A16 checkpoint (no static input scales): by name only (--moe-backend nvfp4_sm120)"
-    fmt = (mk.FusedMoEActivationFormat.BatchedExperts if config.moe_parallel_config.use_batched_activation_format
-           else mk.FusedMoEActivationFormat.Standard)
-    ok, why = Sm120NvFp4Experts.is_supported_config(Sm120NvFp4Experts, config, weight_key, activation_key, fmt)
+    act_format = (mk.FusedMoEActivationFormat.BatchedExperts
+                  if config.moe_parallel_config.use_batched_activation_format
+                  else mk.FusedMoEActivationFormat.Standard)
+    ok, why = Sm120NvFp4Experts.is_supported_config(Sm120NvFp4Experts, config, weight_key, activation_key,
+                                                    act_format)
     return None if ok else why
 
 

@@ -70,6 +70,9 @@ def register() -> None:
         return
     try:
         _install_linear()
+        from .moe import register_moe
+
+        register_moe()
     except BaseException:
         unregister()
         raise
@@ -77,6 +80,9 @@ def register() -> None:
 
 def unregister() -> None:
     """Undo every change :func:`register` made (tests; a process never needs it)."""
+    from .moe import unregister_moe
+
+    unregister_moe()
     while _undo:
         _undo.pop()()
 
