@@ -38,11 +38,12 @@ def test_input_quant_bit_exact(enc, gen):
 
 
 def test_input_quant_strided_and_empty(gen):
-    x = torch.randn(5, 96, generator=gen).half()[:, :64]
-    enc = torch.tensor([100.0])
-    codes, scales = moe_quant_input(x, enc)
+    x = torch.randn(5, 96, generator=gen).half()
+    enc = torch.tensor([100.0], device=_device())
+    codes, scales = moe_quant_input(x.to(_device())[:, :64], enc)
+    x = x[:, :64]
     _assert_exact(codes, scales, quantize_nvfp4(x, GlobalScale.from_encode(100.0)))
-    c0, s0 = moe_quant_input(x[:0], enc)
+    c0, s0 = moe_quant_input(x[:0].to(_device()), enc)
     assert c0.shape == (0, 32) and s0.shape == (0, 4)
 
 

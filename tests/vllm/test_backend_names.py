@@ -87,8 +87,31 @@ def test_substitute(tp, expected):
 
 
 def test_moe_literal_extends_and_restores(registered):
-    """The same machinery serves ``--moe-backend`` (for the MoE glue)."""
+    """The same machinery serves ``--moe-backend`` (for the MoE glue).
+
+    ``restore`` undoes every extension of the Literal, the plugin's own included, so the plugin is taken off
+    first and put back at the end.
+    """
+    registered.unregister()
+    try:
+        _extend_and_restore_moe_literal()
+    finally:
+        registered.register()
+    assert KernelConfig(moe_backend="nvfp4_sm120").moe_backend == "nvfp4_sm120"
+
+
+def _extend_and_restore_moe_literal():
     name = "nvfp4_sm120_moe_test"
+    assert backend_names.extend_literal(backend_names.LINEAR_BACKEND, ["nvfp4_sm120_linear_test"])
+    try:
+        _moe_round_trip(name)
+        # linear names untouched by restoring the MoE Literal
+        assert KernelConfig(linear_backend="nvfp4_sm120_linear_test").linear_backend == "nvfp4_sm120_linear_test"
+    finally:
+        backend_names.restore(backend_names.LINEAR_BACKEND)
+
+
+def _moe_round_trip(name):
     with pytest.raises(ValidationError):
         KernelConfig(moe_backend=name)
     assert backend_names.extend_literal(backend_names.MOE_BACKEND, [name])
@@ -100,4 +123,3 @@ def test_moe_literal_extends_and_restores(registered):
         backend_names.restore(backend_names.MOE_BACKEND)
     with pytest.raises(ValidationError):
         KernelConfig(moe_backend=name)
-    assert KernelConfig(linear_backend="nvfp4_sm120").linear_backend == "nvfp4_sm120"  # linear names untouched
