@@ -99,11 +99,12 @@ def _copies(bytes_per_copy: int, min_bytes: int) -> int:
 
 
 def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: list[str]) -> list[Row]:
+    from .dispatch.linear import select_linear, w4a16_plan
     from .dispatch.ops import LINEAR_KERNELS
-    from .dispatch.linear import select_linear
 
     cc = torch.cuda.get_device_capability()
     cc = cc[0] * 10 + cc[1]
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator().manual_seed(0)
     rows: list[Row] = []
     for model in models:
@@ -120,13 +121,13 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
                 x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
                 flops = 2 * t * n * k
                 candidates: dict[str, Callable[[], object]] = {}
-                if "w4a16" in kernels:
-                    plan = select_linear(cc, "w4a16", t, n, k)
+                if "w4a16" in kernels:  # the Triton W4A16 kernels (the Gluon gemv is its own candidate)
+                    plan = w4a16_plan(t, n, k, sm_count, cc // 10, small=True)
                     run = LINEAR_KERNELS[plan.kernel]
                     candidates[f"ours-w4a16 ({plan.kernel})"] = lambda run=run, plan=plan: [
                         run(x, w.codes, w.scales, dec_rows, None, None, None, None, **plan.kwargs) for w in ws]
                 if "w4a4" in kernels:
-                    plan = select_linear(cc, "triton", max(t, 17), n, k)  # force the W4A4 GEMM at every T
+                    plan = select_linear(cc, "triton", max(t, 17), n, k, sm_count)  # the W4A4 GEMM at every T
                     run = LINEAR_KERNELS[plan.kernel]
                     candidates[f"ours-w4a4 ({plan.kernel}, emulated MMA below sm_120)"] = lambda run=run, plan=plan: [
                         run(x, w.codes, w.scales, dec_rows, None, in_enc, alpha, None, **plan.kwargs) for w in ws]

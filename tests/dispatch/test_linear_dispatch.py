@@ -8,12 +8,22 @@ from vllm_nvfp4_sm120.kernels.w4a4_gemm import W4A4_DIVISIBLE, W4A4_SIGNATURE
 
 
 @pytest.mark.parametrize("route", ["triton", "cublas", "b12x", "w4a16"])
-def test_small_batches_go_to_w4a16(route):
+@pytest.mark.parametrize("gluon", [True, False])
+def test_small_batches_go_to_w4a16(route, gluon, monkeypatch):
+    if not gluon:
+        monkeypatch.setenv("VLLM_NVFP4_SM120_DISABLE_GLUON", "1")
     limit = small_t_threshold(120, route)
     assert limit >= 8
     for t in (1, limit):
-        assert select_linear(120, route, t, 5120, 5120).kernel.startswith("w4a16")
+        plan = select_linear(120, route, t, 5120, 5120)
+        assert plan.kernel.startswith("gluon_gemv" if gluon else "w4a16_gemv"), plan
     assert select_linear(120, route, limit + 1, 5120, 5120).is_w4a4 == (route != "w4a16")
+
+
+def test_gluon_gemv_only_on_sm120_and_sm90():
+    assert select_linear(120, "triton", 1, 5120, 5120).kernel == "gluon_gemv_fma"
+    assert select_linear(90, "triton", 1, 5120, 5120).kernel == "gluon_gemv_fma"
+    assert select_linear(80, "triton", 1, 5120, 5120).kernel == "w4a16_gemv"
 
 
 def test_b12x_and_cublas_thresholds_from_issue():

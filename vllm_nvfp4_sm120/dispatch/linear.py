@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import triton
 
+from ..kernels import gluon_gemv
+from ..kernels.gluon_compat import gluon_enabled
 from ..kernels.w4a16_linear import (
     GEMV_BLOCK_T,
     GEMV_MAX_T,
@@ -99,14 +101,28 @@ def _rows(cc: int, route: str) -> list[Row]:
     return family[route]
 
 
+# Where the Gluon gemv serves the small-T rows (unless VLLM_NVFP4_SM120_DISABLE_GLUON=1).  sm_120: the issue's
+# target, with the native cvt e2m1 decode.  sm_90: measured on the H200 (docs/benchmarks.md, 2026-11-29) at
+# 1.3-2.8x the Triton split-K kernel for T <= 16 on every Qwen3-32B shape, with the portable decode.
+GLUON_GEMV_ARCHS = (12, 9)
+
+
 def select_linear(cc: int, route: str, t: int, n: int, k: int, sm_count: int = 170) -> LinearPlan:
     """The plan for one call; ``cc`` is e.g. 120 for sm_120 (an RTX 5090 has 170 SMs)."""
     for row in _rows(cc, route):
         if row.max_t is None or t <= row.max_t:
+            if row.plan == _W4A16_SMALL and cc // 10 in GLUON_GEMV_ARCHS and gluon_enabled():
+                return gluon_gemv_plan(t, n, k, sm_count)
             if row.plan in (_W4A16_SMALL, _W4A16_BIG):
                 return w4a16_plan(t, n, k, sm_count, cc // 10, small=row.plan == _W4A16_SMALL)
             return row.plan
     raise AssertionError("every route's last row admits any T")
+
+
+def gluon_gemv_plan(t: int, n: int, k: int, sm_count: int) -> LinearPlan:
+    """The Gluon gemv kernel and tile (``kernels.gluon_gemv.gemv_config``, issue 7's tile rule)."""
+    kind, tile = gluon_gemv.gemv_config(max(t, 1), n, k, sm_count)
+    return _p(f"gluon_gemv_{kind}", **vars(tile))
 
 
 def gemv_split_k(n: int, k: int, block_n: int, block_k: int, sm_count: int, t: int = 1) -> int:
@@ -162,6 +178,8 @@ def all_linear_plans() -> list[LinearPlan]:
                     seen.setdefault(row.plan)
     for cfg in W4A16_GEMV_CONFIGS:
         seen.setdefault(_p("w4a16_gemv", **cfg))
+    for kind, tile in gluon_gemv.all_gemv_tiles():
+        seen.setdefault(_p(f"gluon_gemv_{kind}", **vars(tile)))
     for cfg in W4A16_GEMM_CONFIGS + W4A16_GEMM_CONFIGS_SM90:
         seen.setdefault(_p("w4a16_gemm", **cfg))
     return list(seen)

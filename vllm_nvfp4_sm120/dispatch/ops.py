@@ -69,12 +69,26 @@ def _w4a16(kernel_name):
     return run
 
 
+def _gluon(kind):
+    def run(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias, **tile):
+        from ..kernels import gluon_gemv
+
+        codes, scales = _logical(w_codes, w_scales, w_dec_rows.shape[0], x.shape[1])
+        tile_cls, launch = {"fma": (gluon_gemv.FmaTile, gluon_gemv.gemv_fma),
+                            "mma": (gluon_gemv.MmaTile, gluon_gemv.gemv_mma)}[kind]
+        return launch(x, codes, scales, w_dec_rows, bias=bias, tile=tile_cls(**tile))
+
+    return run
+
+
 LINEAR_KERNELS = {
     "w4a4_triton": _w4a4_triton,
     "w4a4_cublas": _w4a4_cublas,
     "w4a4_b12x": _w4a4_b12x,
     "w4a16_gemv": _w4a16("w4a16_gemv"),
     "w4a16_gemm": _w4a16("w4a16_gemm"),
+    "gluon_gemv_fma": _gluon("fma"),
+    "gluon_gemv_mma": _gluon("mma"),
 }
 
 

@@ -1,0 +1,334 @@
+"""Warp-specialized Gluon W4A16 MoE GEMM (prefill): one source for the gate_up and the down GEMM on sm_120.
+
+Rows come from :func:`.moe_align.moe_align` (one expert per ``BLOCK_M``-row block), weights are the checkpoint's
+(codes ``[E, rows, K/2]`` u8, e4m3 scales ``[E, rows, K/16]``), exactly as the Triton kernels in
+:mod:`.moe_w4a16` read them; the launchers take the same arguments, so routing is a one-line switch.
+
+Three partitions, connected by mbarrier rings of ``STAGES`` slots (one slot = one ``BLOCK_K`` step):
+
+  loader  (1 warp, few registers)   weight codes ``[BLOCK_N, BLOCK_K/2]`` (gate and up tiles for gate_up) into
+                                    shared memory: TMA when ``USE_TMA`` (K % BLOCK_K == 0, contiguous codes), else
+                                    masked pointer loads + ``smem.store``.                  codes_ready → decode
+  decode  (4 warps)                 codes → e2m1 × e4m3 → bf16/fp16 ``[BLOCK_N, BLOCK_K]`` into shared memory
+                                    (``DECODE``: the native cvt on sm_100+/sm_120, the exact lop3/prmt table on
+                                    sm_90; :data:`.gluon_gemv.E2M1_ASM`).    codes_empty → loader, b_ready → mma
+  mma     (default, ``num_warps``)  activations gathered by route straight into the ``mma_v2`` operand layout,
+                                    B by ``ldmatrix`` from the decoded slot, fp32 accumulation; the epilogue
+                                    (gate_up: decode global + gated activation → 16-bit intermediate ``[R, I]``;
+                                    down: decode global × routing weight → fp32 atomics into ``[T, H]`` or the
+                                    deterministic per-route buffer ``[R, H]``).                b_empty → decode
+
+Every arrive that publishes or releases a slot written/read by several threads follows a ``gl.barrier()`` (a
+partition-local named barrier): the arrive itself is issued by one thread.  Producers wait on the "empty"
+barriers with the inverted phase, so the first lap passes without a consumer.
+
+``PERSISTENT``: ``min(#SMs, tiles)`` programs walk the live tiles (row-major: row block, then column tile), the
+rings running on across tiles, so the loader and the decode warps fetch and decode the next tile while the mma
+warps run the epilogue; meant for BLOCK_M 64 with ``STAGES = 3``.  Otherwise one program per tile of the
+worst-case grid (``GROUP_M`` row blocks share a column tile), dead blocks (past ``num_padded``) do nothing.
+
+Register budget (``setmaxnreg``): the loader gives registers back (``LOADER_REGS``), the decode warps keep a
+moderate budget (``DECODE_REGS``); the mma warps get the rest.
+"""
+
+from __future__ import annotations
+
+import triton
+
+from .gluon_compat import HAS_GLUON, ampere, gl, gluon, hopper, mbarrier_expect, require_gluon, tma_async_load
+from .moe_align import MoeAlignment
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+LOADER_WARPS = 1
+DECODE_WARPS = 4
+LOADER_REGS = 40
+DECODE_REGS = 168
+# Shared memory per block on sm_120 (aot.SM120_MAX_SMEM_BYTES); the launcher refuses tiles that cannot fit.
+SMEM_LIMIT = 99 * 1024
+
+# The sm_120 compile harness: argument types as the launchers pass them (bf16 activations).
+_COMMON = {"sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32"}
+GLUON_MOE_W4A16_SIGNATURE = {
+    "x_ptr": "*bf16", "w_ptr": "*u8", "w_desc": "*u8", "w_sf_ptr": "*u8", "w_dec_ptr": "*fp32",
+    "topk_w_ptr": "*fp32", "out_ptr": "*bf16", **_COMMON,
+    "R": "i32", "N": "i32", "K": "i32", "top_k": "i32", "max_blocks": "i32",
+    "stride_xm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_wse": "i32", "stride_wsn": "i32",
+    "stride_om": "i32",
+    "GATED": "constexpr", "ACTIVATION": "constexpr", "DETERMINISTIC": "constexpr", "USE_TMA": "constexpr",
+    "DECODE": "constexpr", "PERSISTENT": "constexpr", "STAGES": "constexpr", "BLOCK_M": "constexpr",
+    "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "MMA_WARPS_M": "constexpr",
+}
+GLUON_MOE_W4A16_DIVISIBLE = [k for k, v in GLUON_MOE_W4A16_SIGNATURE.items() if v.startswith("*")] + [
+    "N", "K", "stride_xm", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_om"]
+
+
+def codes_smem_layout_args(block_k: int) -> dict:
+    """NVMMASharedLayout of a codes slot ``[BLOCK_N, BLOCK_K/2]`` u8 (TMA's destination): swizzle = row bytes."""
+    return dict(swizzle_byte_width=min(128, block_k // 2), element_bitwidth=8, rank=2)
+
+
+def signature(gated: bool, use_tma: bool, block_n: int, block_k: int, dtype: str = "bf16") -> dict:
+    """The kernel signature for one launch configuration (gate_up: 16-bit output; down: fp32 output)."""
+    sig = dict(GLUON_MOE_W4A16_SIGNATURE)
+    sig["x_ptr"] = f"*{dtype}"
+    sig["out_ptr"] = f"*{dtype}" if gated else "*fp32"
+    if use_tma:
+        lay = ", ".join(f"{k}={v}" for k, v in codes_smem_layout_args(block_k).items())
+        sig["w_desc"] = f"tensordesc<u8[{block_n},{block_k // 2}],NVMMASharedLayout({lay})>"
+    return sig
+
+
+def divisible(use_tma: bool) -> list[str]:
+    return [d for d in GLUON_MOE_W4A16_DIVISIBLE if not (use_tma and d == "w_desc")]
+
+
+def smem_bytes(gated: bool, block_n: int, block_k: int, stages: int) -> int:
+    """Shared memory of the rings (codes + decoded 16-bit weights), without Triton's scratch and barriers."""
+    nb = 2 if gated else 1
+    return stages * nb * block_n * (block_k // 2 + 2 * block_k)
+
+
+if HAS_GLUON:
+    from .gluon_gemv import _e2m1_pairs, _split_pairs
+
+    @gluon.jit
+    def _tile_coords(tile, max_blocks, num_n, PERSISTENT: gl.constexpr, GROUP_M: gl.constexpr):
+        """Tile index → (row block, column tile).  Persistent: row-major (the live tiles are a prefix)."""
+        if PERSISTENT:
+            pid_m = tile // num_n
+            pid_n = tile % num_n
+        else:  # GROUP_M row blocks share a column tile while it is in L2 (moe_align.moe_block_coords)
+            group = tile // (GROUP_M * num_n)
+            first = group * GROUP_M
+            rows_in_group = gl.minimum(max_blocks - first, GROUP_M)
+            pid_m = first + (tile % (GROUP_M * num_n)) % rows_in_group
+            pid_n = (tile % (GROUP_M * num_n)) // rows_in_group
+        return pid_m, pid_n
+
+    @gluon.jit
+    def _tile_range(num_padded_ptr, max_blocks, num_n, BLOCK_M: gl.constexpr, PERSISTENT: gl.constexpr):
+        """(first tile, end, step) of this program: every partition walks the same sequence."""
+        if PERSISTENT:
+            end = (gl.load(num_padded_ptr) // BLOCK_M) * num_n
+        else:
+            end = max_blocks * num_n
+        return gl.program_id(0), end, gl.num_programs(0)
+
+    # ---- loader: weight codes into the codes ring ----------------------------------------------------------
+    @gluon.jit
+    def _loader_partition(
+        w_ptr, w_desc, codes_smem, codes_ready, codes_empty, expert_ids_ptr, num_padded_ptr,
+        N, K, max_blocks, stride_we, stride_wn,
+        GATED: gl.constexpr, USE_TMA: gl.constexpr, PERSISTENT: gl.constexpr, STAGES: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+    ):
+        NB: gl.constexpr = 2 if GATED else 1
+        KB: gl.constexpr = BLOCK_K // 2
+        # One warp: each lane a 16-byte (or narrower) row segment.
+        CL: gl.constexpr = gl.BlockedLayout([1, KB // 4 if KB // 4 < 16 else 16], [32 // (KB // min(16, KB // 4)) if KB // min(16, KB // 4) < 32 else 1, KB // min(16, KB // 4) if KB // min(16, KB // 4) < 32 else 32], [1, 1], [1, 0])
+        num_n = gl.cdiv(N, BLOCK_N)
+        num_padded = gl.load(num_padded_ptr)
+        first, end, step = _tile_range(num_padded_ptr, max_blocks, num_n, BLOCK_M, PERSISTENT)
+        it = 0
+        for tile in range(first, end, step):
+            pid_m, pid_n = _tile_coords(tile, max_blocks, num_n, PERSISTENT, GROUP_M)
+            if pid_m * BLOCK_M < num_padded:
+                e = gl.load(expert_ids_ptr + pid_m)
+                n0 = pid_n * BLOCK_N
+                for k0 in range(0, K, BLOCK_K):
+                    s = it % STAGES
+                    gl.static_assert(STAGES >= 2)
+                    mbarrier_wait_phase(codes_empty.index(s), ((it // STAGES) & 1) ^ 1)
+                    if USE_TMA:
+                        mbarrier_expect(codes_ready.index(s), NB * BLOCK_N * KB)
+                        for j in gl.static_range(NB):
+                            tma_async_load(w_desc, [e * (NB * N) + j * N + n0, k0 // 2], codes_ready.index(s),
+                                           codes_smem.index(s * NB + j))
+                    else:
+                        rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CL))
+                        cols = k0 // 2 + gl.arange(0, KB, layout=gl.SliceLayout(0, CL))
+                        mask = (rows < N)[:, None] & (cols < K // 2)[None, :]
+                        base = w_ptr + e.to(gl.int64) * stride_we + rows[:, None].to(gl.int64) * stride_wn + cols[None, :]
+                        for j in gl.static_range(NB):
+                            codes = gl.load(base + j * N * stride_wn, mask=mask, other=0)
+                            codes_smem.index(s * NB + j).store(codes)
+                        gl.barrier()
+                        ampere.mbarrier.arrive(codes_ready.index(s))
+                    it += 1
+
+    @gluon.jit
+    def mbarrier_wait_phase(bar, phase):
+        ampere.mbarrier.wait(bar, phase)
+
+    # ---- decode: codes ring → 16-bit weights ring -------------------------------------------------------------
+    @gluon.jit
+    def _decode_partition(
+        w_sf_ptr, codes_smem, b_smem, codes_ready, codes_empty, b_ready, b_empty, expert_ids_ptr, num_padded_ptr,
+        N, K, max_blocks, stride_wse, stride_wsn,
+        GATED: gl.constexpr, DECODE: gl.constexpr, DT: gl.constexpr, PERSISTENT: gl.constexpr,
+        STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+        GROUP_M: gl.constexpr, WARPS: gl.constexpr,
+    ):
+        NB: gl.constexpr = 2 if GATED else 1
+        G: gl.constexpr = BLOCK_K // 16
+        # Codes [BLOCK_N, G, 8 bytes]: a lane holds 4 bytes (one inline-asm call) of one 16-element group.
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32 // (2 * G), G, 2], [WARPS, 1, 1], [2, 1, 0])
+        S2: gl.constexpr = gl.SliceLayout(2, L3)
+        F16: gl.constexpr = DT == gl.float16
+        num_n = gl.cdiv(N, BLOCK_N)
+        num_padded = gl.load(num_padded_ptr)
+        first, end, step = _tile_range(num_padded_ptr, max_blocks, num_n, BLOCK_M, PERSISTENT)
+        it = 0
+        for tile in range(first, end, step):
+            pid_m, pid_n = _tile_coords(tile, max_blocks, num_n, PERSISTENT, GROUP_M)
+            if pid_m * BLOCK_M < num_padded:
+                e = gl.load(expert_ids_ptr + pid_m).to(gl.int64)
+                rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S2))
+                gs = gl.arange(0, G, layout=gl.SliceLayout(0, S2))
+                n_ok = rows < N
+                sf_base = w_sf_ptr + e * stride_wse + rows[:, None].to(gl.int64) * stride_wsn + gs[None, :]
+                for k0 in range(0, K, BLOCK_K):
+                    s = it % STAGES
+                    phase = (it // STAGES) & 1
+                    # Scales straight from global (tiny): zero past N and K, so garbage rows/columns of the
+                    # codes slot (TMA rows of the next expert, zero fill) decode to exactly 0.
+                    sf_mask = n_ok[:, None] & ((k0 // 16 + gs) < K // 16)[None, :]
+                    scales = []
+                    for j in gl.static_range(NB):
+                        sc = gl.load(sf_base + j * N * stride_wsn + k0 // 16, mask=sf_mask, other=0)
+                        scales.append(sc.to(gl.float8e4nv, bitcast=True).to(DT))
+                    mbarrier_wait_phase(codes_ready.index(s), phase)
+                    codes = []
+                    for j in gl.static_range(NB):
+                        raw = codes_smem.index(s * NB + j).load(gl.BlockedLayout([1, 4], [32 // (2 * G), 2 * G], [WARPS, 1], [1, 0]))
+                        codes.append(gl.convert_layout(raw.reshape([BLOCK_N, G, 8]), L3))
+                    gl.barrier()
+                    ampere.mbarrier.arrive(codes_empty.index(s))
+                    mbarrier_wait_phase(b_empty.index(s), phase ^ 1)
+                    for j in gl.static_range(NB):
+                        lo, hi = _split_pairs(_e2m1_pairs(codes[j], DECODE, F16), DT)
+                        s16 = scales[j][:, :, None]
+                        w = gl.join(lo * s16, hi * s16).reshape([BLOCK_N, BLOCK_K])  # memory order of k
+                        b_smem.index(s * NB + j).store(w)
+                    gl.barrier()
+                    ampere.mbarrier.arrive(b_ready.index(s))
+                    it += 1
+
+    # ---- mma + epilogue (default partition) ----------------------------------------------------------------
+    @gluon.jit
+    def _mma_partition(
+        x_ptr, w_dec_ptr, topk_w_ptr, out_ptr, b_smem, b_ready, b_empty,
+        sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+        R, N, K, top_k, max_blocks, stride_xm, stride_om,
+        GATED: gl.constexpr, ACTIVATION: gl.constexpr, DETERMINISTIC: gl.constexpr, PERSISTENT: gl.constexpr,
+        STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+        GROUP_M: gl.constexpr, MMA_WARPS_M: gl.constexpr, WARPS: gl.constexpr,
+    ):
+        NB: gl.constexpr = 2 if GATED else 1
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[MMA_WARPS_M, WARPS // MMA_WARPS_M],
+                                                      instr_shape=[16, 8])
+        A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
+        B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
+        num_n = gl.cdiv(N, BLOCK_N)
+        num_padded = gl.load(num_padded_ptr)
+        first, end, step = _tile_range(num_padded_ptr, max_blocks, num_n, BLOCK_M, PERSISTENT)
+        it = 0
+        for tile in range(first, end, step):
+            pid_m, pid_n = _tile_coords(tile, max_blocks, num_n, PERSISTENT, GROUP_M)
+            if pid_m * BLOCK_M < num_padded:
+                # Activation rows: the token (gate_up reads x [T, H]) or the route (down reads inter [R, I]).
+                ra = gl.load(sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, A_OP)))
+                ra_ok = ra < R
+                xrow = ra // top_k if GATED else ra
+                ka = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, A_OP))
+                a_base = x_ptr + xrow[:, None].to(gl.int64) * stride_xm + ka[None, :]
+                acc0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA)
+                acc1 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA)
+                for k0 in range(0, K, BLOCK_K):
+                    s = it % STAGES
+                    # The gather is issued before the wait: its latency hides behind the decode of this slot.
+                    a = gl.load(a_base + k0, mask=ra_ok[:, None] & ((k0 + ka) < K)[None, :], other=0.0)
+                    mbarrier_wait_phase(b_ready.index(s), (it // STAGES) & 1)
+                    b0 = b_smem.index(s * NB).permute((1, 0)).load(B_OP)
+                    if GATED:
+                        b1 = b_smem.index(s * NB + 1).permute((1, 0)).load(B_OP)
+                    gl.barrier()
+                    ampere.mbarrier.arrive(b_empty.index(s))
+                    acc0 = ampere.mma_v2(a, b0, acc0)
+                    if GATED:
+                        acc1 = ampere.mma_v2(a, b1, acc1)
+                    it += 1
+
+                route = gl.load(sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA)))
+                row_ok = route < R
+                cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
+                mask = row_ok[:, None] & (cols < N)[None, :]
+                dec = gl.load(w_dec_ptr + gl.load(expert_ids_ptr + pid_m))
+                if GATED:
+                    gate = acc0 * dec
+                    up = acc1 * dec
+                    if ACTIVATION == "silu":
+                        g = gate / (1.0 + gl.exp(-gate))
+                    else:
+                        gl.static_assert(ACTIVATION == "gelu_tanh", "ACTIVATION must be 'silu' or 'gelu_tanh'")
+                        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+                        g = 0.5 * gate * (2.0 - 2.0 / (gl.exp(2.0 * inner) + 1.0))
+                    ptrs = out_ptr + route[:, None].to(gl.int64) * stride_om + cols[None, :]
+                    gl.store(ptrs, (g * up).to(out_ptr.dtype.element_ty), mask=mask)
+                else:
+                    weight = gl.load(topk_w_ptr + route, mask=row_ok, other=0.0)
+                    y = (acc0 * dec) * weight[:, None]
+                    if DETERMINISTIC:
+                        gl.store(out_ptr + route[:, None].to(gl.int64) * stride_om + cols[None, :], y, mask=mask)
+                    else:
+                        ptrs = out_ptr + (route // top_k)[:, None].to(gl.int64) * stride_om + cols[None, :]
+                        gl.atomic_add(ptrs, y, mask=mask, sem="relaxed")
+
+    @gluon.jit
+    def _gluon_moe_w4a16_kernel(
+        x_ptr, w_ptr, w_desc, w_sf_ptr, w_dec_ptr, topk_w_ptr, out_ptr,
+        sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+        R, N, K, top_k, max_blocks,
+        stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+        GATED: gl.constexpr, ACTIVATION: gl.constexpr, DETERMINISTIC: gl.constexpr, USE_TMA: gl.constexpr,
+        DECODE: gl.constexpr, PERSISTENT: gl.constexpr, STAGES: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+        MMA_WARPS_M: gl.constexpr,
+    ):
+        NB: gl.constexpr = 2 if GATED else 1
+        DT: gl.constexpr = x_ptr.dtype.element_ty
+        CODES_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BLOCK_K // 2 if BLOCK_K // 2 < 128 else 128,
+                                                     element_bitwidth=8, rank=2)
+        B_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        codes_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * NB, BLOCK_N, BLOCK_K // 2], CODES_L)
+        b_smem = gl.allocate_shared_memory(DT, [STAGES * NB, BLOCK_N, BLOCK_K], B_L)
+        codes_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], ampere.mbarrier.MBarrierLayout())
+        codes_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], ampere.mbarrier.MBarrierLayout())
+        b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], ampere.mbarrier.MBarrierLayout())
+        b_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], ampere.mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            ampere.mbarrier.init(codes_ready.index(s), count=1)
+            ampere.mbarrier.init(codes_empty.index(s), count=1)
+            ampere.mbarrier.init(b_ready.index(s), count=1)
+            ampere.mbarrier.init(b_empty.index(s), count=1)
+        hopper.fence_async_shared()  # the barrier inits must be visible to the TMA unit
+
+        gl.warp_specialize([
+            (_mma_partition, (x_ptr, w_dec_ptr, topk_w_ptr, out_ptr, b_smem, b_ready, b_empty,
+                              sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                              R, N, K, top_k, max_blocks, stride_xm, stride_om,
+                              GATED, ACTIVATION, DETERMINISTIC, PERSISTENT, STAGES, BLOCK_M, BLOCK_N, BLOCK_K,
+                              GROUP_M, MMA_WARPS_M, gl.num_warps())),
+            (_loader_partition, (w_ptr, w_desc, codes_smem, codes_ready, codes_empty, expert_ids_ptr, num_padded_ptr,
+                                 N, K, max_blocks, stride_we, stride_wn,
+                                 GATED, USE_TMA, PERSISTENT, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)),
+            (_decode_partition, (w_sf_ptr, codes_smem, b_smem, codes_ready, codes_empty, b_ready, b_empty,
+                                 expert_ids_ptr, num_padded_ptr, N, K, max_blocks, stride_wse, stride_wsn,
+                                 GATED, DECODE, DT, PERSISTENT, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                 DECODE_WARPS_C)),
+        ], [LOADER_WARPS_C, DECODE_WARPS_C], [LOADER_REGS_C, DECODE_REGS_C])
+
+    LOADER_WARPS_C = gl.constexpr(LOADER_WARPS)
+    DECODE_WARPS_C = gl.constexpr(DECODE_WARPS)
+    LOADER_REGS_C = gl.constexpr(LOADER_REGS)
+    DECODE_REGS_C = gl.constexpr(DECODE_REGS)
