@@ -115,7 +115,10 @@ def linear_plan(cc: int, route: str) -> list[tuple[str, str, str]]:
     rows = dispatch_linear.TABLE[cc // 10][route]
     out, lo = [], 1
     for row in rows:
-        out.append((_t_range(lo, row.max_t), _plan_str(row.plan), row.why))
+        # The row's kernel as it resolves at the start of its T range (W4A16 rows pick Gluon or Triton and a tile
+        # per shape; a 5120 x 5120 layer stands for "a typical linear").
+        plan = dispatch_linear.select_linear(cc, route, lo, 5120, 5120)
+        out.append((_t_range(lo, row.max_t), _plan_str(plan), row.why))
         if row.max_t is None:
             break
         lo = row.max_t + 1

@@ -33,7 +33,8 @@ def test_inspect_reports_format_scales_and_plan(tiny, capsys, fmt, act):
     assert sorted(map(tuple, r["runtime_shapes"])) == [("o", 128, 128), ("qkv", 256, 128)]
     plan = r["plans"]["sm_120"]
     assert plan["route"] == ("triton" if act == "w4a4" else "w4a16")
-    assert plan["linear"][0]["kernel"] == "w4a16_gemv"  # decode sizes: W4A16 on the same weight, any route
+    # decode sizes: a W4A16 kernel on the same weight, any route (the Gluon gemv on sm_120 unless disabled)
+    assert plan["linear"][0]["kernel"] == "gluon_gemv_fma"
     assert {row["plan"].split()[0] for row in plan["moe"]} == ({"w4a16", "w4a4"} if act == "w4a4" else {"w4a16"})
     # Random per-part magnitudes: most fused groups have globals further apart than the 5% the plugin warns at.
     assert len(r["warn_spreads"]) >= len(r["spreads"]) // 2 > 0

@@ -102,8 +102,8 @@ def _rows(cc: int, route: str) -> list[Row]:
 
 
 # Where the Gluon gemv serves the small-T rows (unless VLLM_NVFP4_SM120_DISABLE_GLUON=1).  sm_120: the issue's
-# target, with the native cvt e2m1 decode.  sm_90: measured on the H200 (docs/benchmarks.md, 2026-11-29) at
-# 1.3-2.8x the Triton split-K kernel for T <= 16 on every Qwen3-32B shape, with the portable decode.
+# target, with the native cvt e2m1 decode.  sm_90: measured on the H200 (docs/benchmarks.md, 2026-11-29)
+# faster than the Triton split-K kernel in 27 of 28 (shape, T <= 32) rows, 1.04-2.75x, with the portable decode.
 GLUON_GEMV_ARCHS = (12, 9)
 
 

@@ -27,7 +27,7 @@ rings running on across tiles, so the loader and the decode warps fetch and deco
 warps run the epilogue; meant for BLOCK_M 64 with ``STAGES = 3``.  Otherwise one program per tile of the
 worst-case grid (``GROUP_M`` row blocks share a column tile), dead blocks (past ``num_padded``) do nothing.
 
-Register budget (``setmaxnreg``): the loader gives registers back (``LOADER_REGS``), the decode warps keep a
+Register budget (``setmaxnreg``): the loader gives registers back (``LOADER_REGS``; ``LOADER_REGS_PTR`` for pointer loads), the decode warps keep a
 moderate budget (``DECODE_REGS``); the mma warps get the rest.
 """
 
@@ -41,8 +41,9 @@ from .moe_align import MoeAlignment
 ACTIVATIONS = ("silu", "gelu_tanh")
 LOADER_WARPS = 1
 DECODE_WARPS = 4
-LOADER_REGS = 40
-DECODE_REGS = 168
+LOADER_REGS = 40  # TMA: a few scalars
+LOADER_REGS_PTR = 88  # pointer loads: a [BLOCK_N, BLOCK_K/2] code tile and its addresses in one warp
+DECODE_REGS = 128
 # Shared memory per block on sm_120 (aot.SM120_MAX_SMEM_BYTES); the launcher refuses tiles that cannot fit.
 SMEM_LIMIT = 99 * 1024
 
@@ -125,7 +126,7 @@ if HAS_GLUON:
         NB: gl.constexpr = 2 if GATED else 1
         KB: gl.constexpr = BLOCK_K // 2
         # One warp: each lane a 16-byte (or narrower) row segment.
-        CL: gl.constexpr = gl.BlockedLayout([1, KB // 4 if KB // 4 < 16 else 16], [32 // (KB // min(16, KB // 4)) if KB // min(16, KB // 4) < 32 else 1, KB // min(16, KB // 4) if KB // min(16, KB // 4) < 32 else 32], [1, 1], [1, 0])
+        CL: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // KB, KB // 16], [1, 1], [1, 0])
         num_n = gl.cdiv(N, BLOCK_N)
         num_padded = gl.load(num_padded_ptr)
         first, end, step = _tile_range(num_padded_ptr, max_blocks, num_n, BLOCK_M, PERSISTENT)
@@ -160,6 +161,14 @@ if HAS_GLUON:
     def mbarrier_wait_phase(bar, phase):
         ampere.mbarrier.wait(bar, phase)
 
+    @gluon.jit
+    def _decode_tile(codes, scales, DECODE: gl.constexpr, F16: gl.constexpr, DT: gl.constexpr,
+                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+        """codes [BLOCK_N, G, 8] u8 + scales [BLOCK_N, G] → weights [BLOCK_N, BLOCK_K] (exact: e2m1 × e4m3)."""
+        lo, hi = _split_pairs(_e2m1_pairs(codes, DECODE, F16), DT)
+        s16 = scales[:, :, None]
+        return gl.join(lo * s16, hi * s16).reshape([BLOCK_N, BLOCK_K])  # element 2b + h: memory order of k
+
     # ---- decode: codes ring → 16-bit weights ring -------------------------------------------------------------
     @gluon.jit
     def _decode_partition(
@@ -174,6 +183,7 @@ if HAS_GLUON:
         # Codes [BLOCK_N, G, 8 bytes]: a lane holds 4 bytes (one inline-asm call) of one 16-element group.
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32 // (2 * G), G, 2], [WARPS, 1, 1], [2, 1, 0])
         S2: gl.constexpr = gl.SliceLayout(2, L3)
+        LC: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (2 * G), 2 * G], [WARPS, 1], [1, 0])
         F16: gl.constexpr = DT == gl.float16
         num_n = gl.cdiv(N, BLOCK_N)
         num_padded = gl.load(num_padded_ptr)
@@ -193,23 +203,23 @@ if HAS_GLUON:
                     # Scales straight from global (tiny): zero past N and K, so garbage rows/columns of the
                     # codes slot (TMA rows of the next expert, zero fill) decode to exactly 0.
                     sf_mask = n_ok[:, None] & ((k0 // 16 + gs) < K // 16)[None, :]
-                    scales = []
-                    for j in gl.static_range(NB):
-                        sc = gl.load(sf_base + j * N * stride_wsn + k0 // 16, mask=sf_mask, other=0)
-                        scales.append(sc.to(gl.float8e4nv, bitcast=True).to(DT))
+                    sc0 = gl.load(sf_base + k0 // 16, mask=sf_mask, other=0).to(gl.float8e4nv, bitcast=True).to(DT)
+                    if GATED:
+                        sc1 = gl.load(sf_base + N * stride_wsn + k0 // 16, mask=sf_mask, other=0)
+                        sc1 = sc1.to(gl.float8e4nv, bitcast=True).to(DT)
                     mbarrier_wait_phase(codes_ready.index(s), phase)
-                    codes = []
-                    for j in gl.static_range(NB):
-                        raw = codes_smem.index(s * NB + j).load(gl.BlockedLayout([1, 4], [32 // (2 * G), 2 * G], [WARPS, 1], [1, 0]))
-                        codes.append(gl.convert_layout(raw.reshape([BLOCK_N, G, 8]), L3))
+                    c0 = gl.convert_layout(codes_smem.index(s * NB).load(LC).reshape([BLOCK_N, G, 8]), L3)
+                    if GATED:
+                        c1 = gl.convert_layout(codes_smem.index(s * NB + 1).load(LC).reshape([BLOCK_N, G, 8]), L3)
                     gl.barrier()
                     ampere.mbarrier.arrive(codes_empty.index(s))
+                    w0 = _decode_tile(c0, sc0, DECODE, F16, DT, BLOCK_N, BLOCK_K)
+                    if GATED:
+                        w1 = _decode_tile(c1, sc1, DECODE, F16, DT, BLOCK_N, BLOCK_K)
                     mbarrier_wait_phase(b_empty.index(s), phase ^ 1)
-                    for j in gl.static_range(NB):
-                        lo, hi = _split_pairs(_e2m1_pairs(codes[j], DECODE, F16), DT)
-                        s16 = scales[j][:, :, None]
-                        w = gl.join(lo * s16, hi * s16).reshape([BLOCK_N, BLOCK_K])  # memory order of k
-                        b_smem.index(s * NB + j).store(w)
+                    b_smem.index(s * NB).store(w0)
+                    if GATED:
+                        b_smem.index(s * NB + 1).store(w1)
                     gl.barrier()
                     ampere.mbarrier.arrive(b_ready.index(s))
                     it += 1
@@ -312,6 +322,7 @@ if HAS_GLUON:
             ampere.mbarrier.init(b_ready.index(s), count=1)
             ampere.mbarrier.init(b_empty.index(s), count=1)
         hopper.fence_async_shared()  # the barrier inits must be visible to the TMA unit
+        LOADER_R: gl.constexpr = LOADER_REGS_C if USE_TMA else LOADER_REGS_PTR_C
 
         gl.warp_specialize([
             (_mma_partition, (x_ptr, w_dec_ptr, topk_w_ptr, out_ptr, b_smem, b_ready, b_empty,
@@ -326,9 +337,147 @@ if HAS_GLUON:
                                  expert_ids_ptr, num_padded_ptr, N, K, max_blocks, stride_wse, stride_wsn,
                                  GATED, DECODE, DT, PERSISTENT, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                  DECODE_WARPS_C)),
-        ], [LOADER_WARPS_C, DECODE_WARPS_C], [LOADER_REGS_C, DECODE_REGS_C])
+        ], [LOADER_WARPS_C, DECODE_WARPS_C], [LOADER_R, DECODE_REGS_C])
 
     LOADER_WARPS_C = gl.constexpr(LOADER_WARPS)
     DECODE_WARPS_C = gl.constexpr(DECODE_WARPS)
     LOADER_REGS_C = gl.constexpr(LOADER_REGS)
+    LOADER_REGS_PTR_C = gl.constexpr(LOADER_REGS_PTR)
     DECODE_REGS_C = gl.constexpr(DECODE_REGS)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launchers: the arguments of moe_w4a16.moe_w4a16_gate_up / moe_w4a16_down, plus ``persistent`` and ``decode``.
+# ---------------------------------------------------------------------------------------------------------------
+def _check_tile(gated: bool, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int):
+    if block_k not in (64, 128):
+        raise ValueError(f"block_k: the Gluon W4A16 MoE GEMM takes 64 or 128, got {block_k}")
+    if block_n % 16 or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n: expected a power of two >= 16, got {block_n}")
+    if num_warps not in (4, 8) or block_m < 16 * (num_warps // 2):
+        raise ValueError(f"num_warps: expected 4 or 8 mma warps with block_m >= 16 * num_warps / 2, got "
+                         f"{num_warps} for block_m {block_m}")
+    if num_stages < 2:
+        raise ValueError(f"num_stages: the mbarrier ring needs >= 2 slots, got {num_stages}")
+    need = smem_bytes(gated, block_n, block_k, num_stages)
+    if need > SMEM_LIMIT - 4096:  # room for barriers and the epilogue's layout-conversion scratch
+        raise ValueError(f"tile: {num_stages} stages of [{block_n}, {block_k}] need {need} B of shared memory "
+                         f"(sm_120 has {SMEM_LIMIT} B per block); use fewer stages or a smaller block_k")
+
+
+def _weight_desc(codes, use_tma: bool, block_n: int, block_k: int):
+    """The gluon TMA descriptor over the codes' [E * rows, K/2] view, or the codes themselves (unused)."""
+    if not use_tma:
+        return codes
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    e, n, kh = codes.shape
+    if not codes.is_contiguous() or (2 * kh) % block_k or codes.data_ptr() % 16:
+        raise ValueError(f"use_tma: the weight codes must be contiguous, 16-byte aligned, with K % block_k == 0; "
+                         f"got shape {list(codes.shape)} strides {codes.stride()} block_k {block_k}")
+    layout = gl.NVMMASharedLayout(**codes_smem_layout_args(block_k))
+    return TensorDescriptor.from_tensor(codes.view(e * n, kh), [block_n, block_k // 2], layout)
+
+
+def _grid(align: MoeAlignment, num_n: int, persistent: bool, device) -> tuple[int]:
+    tiles = align.max_blocks * num_n
+    if not persistent:
+        return (tiles,)
+    import torch
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return (max(1, min(sms, tiles)),)
+
+
+def _decode_mode(device, decode: int | None) -> int:
+    from .gluon_gemv import default_decode
+
+    return default_decode(device) if decode is None else decode
+
+
+def _launch(x, codes, w_sf, dec, topk_w, out, align, n, k, stride_we, stride_wn, *, gated, activation,
+            deterministic, block_n, block_k, group_m, num_warps, num_stages, use_tma, persistent, decode):
+    _check_tile(gated, align.block_m, block_n, block_k, num_warps, num_stages)
+    num_n = triton.cdiv(n, block_n)
+    _gluon_moe_w4a16_kernel[_grid(align, num_n, persistent, x.device)](
+        x, codes, _weight_desc(codes, use_tma, block_n, block_k), w_sf, dec, topk_w, out,
+        align.sorted_ids, align.expert_ids, align.num_padded,
+        align.num_routes, n, k, align.top_k, align.max_blocks,
+        x.stride(0), stride_we, stride_wn, w_sf.stride(0), w_sf.stride(1), out.stride(0),
+        GATED=gated, ACTIVATION=activation, DETERMINISTIC=deterministic, USE_TMA=use_tma,
+        DECODE=_decode_mode(x.device, decode), PERSISTENT=persistent, STAGES=num_stages,
+        BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        MMA_WARPS_M=num_warps // 2, num_warps=num_warps,
+    )
+
+
+def gluon_moe_w4a16_gate_up(
+    x, w13_codes, w13_scales, w13_dec, align: MoeAlignment, *,
+    activation: str = "silu", block_n: int = 64, block_k: int = 64, group_m: int = 8, num_warps: int = 4,
+    num_stages: int = 2, use_tma: bool = False, fast_decode: bool = True, stream_weights: bool = False,
+    persistent: bool = False, decode: int | None = None, out=None,
+):
+    """Gluon twin of :func:`.moe_w4a16.moe_w4a16_gate_up`: ``act(x @ w13[e, :I]^T) * (x @ w13[e, I:]^T)`` per
+    route → intermediate ``[R, I]`` x.dtype.
+
+    ``num_warps``: the mma warps (4 or 8; 1 loader + 4 decode warps come on top); ``num_stages``: ring slots;
+    ``persistent``: one program per SM.  ``fast_decode``/``stream_weights`` are accepted for the Triton kwargs
+    and ignored (Gluon always decodes with inline PTX; ``decode`` picks cvt vs the portable table, default by GPU).
+    """
+    require_gluon("gluon_moe_w4a16_gate_up")
+    import torch
+
+    from ..format.checks import ACT_DTYPES, check_tensor
+    from .moe_w4a16 import _check_bank
+
+    check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
+    t, h = x.shape
+    w_sf, _, two_i, _ = _check_bank("w13", w13_codes, w13_scales, w13_dec, None, h)
+    if two_i % 32:
+        raise ValueError(f"w13_codes: 2I = {two_i} rows must be gate and up halves of I % 16 == 0")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    i, r = two_i // 2, align.num_routes
+    if r != t * align.top_k:
+        raise ValueError(f"align: built for {r} routes, x has {t} tokens x top_k {align.top_k}")
+    if out is None:
+        out = torch.empty((r, i), dtype=x.dtype, device=x.device)
+    check_tensor("out", out, dtype=x.dtype, shape=[r, i], last_dim_contiguous=True)
+    if r == 0:
+        return out
+    # The TMA view is [E * 2I, H/2]: gate rows at e*2I + n, up rows at e*2I + I + n (the kernel's NB * N rows).
+    _launch(x, w13_codes, w_sf, w13_dec, w13_dec, out, align, i, h, w13_codes.stride(0), w13_codes.stride(1),
+            gated=True, activation=activation, deterministic=False, block_n=block_n, block_k=block_k,
+            group_m=group_m, num_warps=num_warps, num_stages=num_stages, use_tma=use_tma, persistent=persistent,
+            decode=decode)
+    return out
+
+
+def gluon_moe_w4a16_down(
+    inter, w2_codes, w2_scales, w2_dec, topk_weights, align: MoeAlignment, out, *,
+    deterministic: bool = False, block_n: int = 128, block_k: int = 64, group_m: int = 8, num_warps: int = 4,
+    num_stages: int = 2, use_tma: bool = False, fast_decode: bool = True, stream_weights: bool = False,
+    persistent: bool = False, decode: int | None = None,
+):
+    """Gluon twin of :func:`.moe_w4a16.moe_w4a16_down`: ``topk_weight * (inter[route] @ w2[e]^T)`` summed into
+    the zeroed fp32 ``out`` ``[T, H]`` (atomics) or, ``deterministic``, the per-route ``[R, H]``."""
+    require_gluon("gluon_moe_w4a16_down")
+    import torch
+
+    from ..format.checks import ACT_DTYPES, check_tensor
+    from .moe_w4a16 import _check_bank
+
+    r = align.num_routes
+    check_tensor("inter", inter, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
+    w_sf, _, h, i = _check_bank("w2", w2_codes, w2_scales, w2_dec, None, inter.shape[1])
+    check_tensor("inter", inter, shape=[r, i])
+    check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=[r // max(align.top_k, 1), align.top_k])
+    rows = r if deterministic else r // max(align.top_k, 1)
+    check_tensor("out", out, dtype=torch.float32, shape=[rows, h], last_dim_contiguous=True)
+    if r == 0:
+        return out
+    _launch(inter, w2_codes, w_sf, w2_dec, topk_weights.contiguous(), out, align, h, i, w2_codes.stride(0),
+            w2_codes.stride(1), gated=False, activation="silu", deterministic=deterministic, block_n=block_n,
+            block_k=block_k, group_m=group_m, num_warps=num_warps, num_stages=num_stages, use_tma=use_tma,
+            persistent=persistent, decode=decode)
+    return out
