@@ -87,7 +87,7 @@ def test_w4a16_launcher_checks():
         g16.gluon_moe_w4a16_gate_up(x, codes, scales, dec, align, block_k=32)
     with pytest.raises(ValueError, match="shared memory"):
         g16.gluon_moe_w4a16_gate_up(x, codes, scales, dec, align, block_k=128, num_stages=3)
-    with pytest.raises(ValueError, match="x"):
+    with pytest.raises(TypeError, match="x: expected dtype"):
         g16.gluon_moe_w4a16_gate_up(x.float(), codes, scales, dec, align)
     # T = 0: nothing to launch, the empty intermediate comes back.
     empty = MoeAlignment(z, z, z[:1], 64, 0, k)
