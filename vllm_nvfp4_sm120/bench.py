@@ -227,6 +227,7 @@ def _gpu_nvfp4(shape, gen: torch.Generator) -> NvFp4:
 
 def bench_moe(shapes: list[str], tokens: list[int]) -> list[Row]:
     """Whole MoE layer (align + gate_up + act + down + top-k sum) vs the cuBLAS bf16 ceiling on the same FLOPs."""
+    from .dispatch.moe import as_gluon_w4a16
     from .dispatch.moe_flow import nvfp4_moe, plan_for
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -253,10 +254,14 @@ def bench_moe(shapes: list[str], tokens: list[int]) -> list[Row]:
                     x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, a13_enc=enc, a2_enc=enc),
                 "cublas-bf16 same FLOPs (ceiling)": lambda: (a @ wg.t(), a2 @ wd.t()),
             }
+            gluon = as_gluon_w4a16(plan_for(x, w13.codes, w2.codes, ti, w4a4=False))
+            if gluon is not None:  # issue 8's proxy comparison: the same work on the Gluon GEMM (sm_120 tiles)
+                candidates["ours-w4a16 gluon"] = lambda gluon=gluon: nvfp4_moe(
+                    x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, plan=gluon)
             for cand, fn in candidates.items():
-                plan = plan_for(x, w13.codes, w2.codes, ti, w4a4="w4a4" in cand)
+                plan = gluon if cand.endswith("gluon") else plan_for(x, w13.codes, w2.codes, ti, w4a4="w4a4" in cand)
                 sec = time_graph(fn)
-                note = "" if cand.startswith("cublas") else f"{plan.kernel} block_m={plan.block_m}"
+                note = "" if cand.startswith("cublas") else f"{plan.kernel} {plan.backend} block_m={plan.block_m}"
                 rows.append(Row(name, "moe", h, i, t, cand, sec * 1e6, flops / sec / 1e12, 0.0, note))
                 print(_fmt(rows[-1]), flush=True)
         del w13, w2

@@ -63,6 +63,19 @@ def test_w4a16_compiles_for_sm120(tile, gated, use_tma):
         assert not rep.has_ptx(PTX_TMA_LOAD)
 
 
+def test_dispatch_gluon_tiles_are_the_compiled_ones():
+    from vllm_nvfp4_sm120.dispatch.moe import all_moe_plans
+
+    compiled = set(W4A16_TILES.values())
+    gluon = [p for p in all_moe_plans((12, 0)) if p.backend == "gluon"]
+    assert {p.block_m for p in gluon} == {64, 128}
+    for p in gluon:
+        assert p.gate_up.block_k == p.down.block_k and p.gate_up.num_warps == p.down.num_warps
+        key = (p.block_m, p.gate_up.block_n, p.down.block_n, p.gate_up.block_k, p.gate_up.num_warps,
+               p.gate_up.num_stages, p.persistent)
+        assert key in compiled, key
+
+
 @pytest.mark.compile
 def test_w4a16_variants_compile():
     # fp16 activations, GELU, and the deterministic per-route store of the down GEMM.
@@ -86,7 +99,7 @@ def test_w4a16_launcher_checks():
     with pytest.raises(ValueError, match="block_k"):
         g16.gluon_moe_w4a16_gate_up(x, codes, scales, dec, align, block_k=32)
     with pytest.raises(ValueError, match="shared memory"):
-        g16.gluon_moe_w4a16_gate_up(x, codes, scales, dec, align, block_k=128, num_stages=3)
+        g16.gluon_moe_w4a16_gate_up(x, codes, scales, dec, align, block_n=256, num_stages=3)
     with pytest.raises(TypeError, match="x: expected dtype"):
         g16.gluon_moe_w4a16_gate_up(x.float(), codes, scales, dec, align)
     # T = 0: nothing to launch, the empty intermediate comes back.

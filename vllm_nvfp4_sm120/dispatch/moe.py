@@ -13,7 +13,9 @@ Everything the kernels leave open is decided here; ``dispatch/moe_flow.py`` only
 * **Switches**: ``fast_decode`` (inline-PTX e2m1 decode, any CUDA GPU), ``use_tma`` (TMA weight loads on sm_90
   and sm_120 when that GEMM's K % 256 == 0), ``decode`` (W4A4 without the native FP4 MMA: GPUs before sm_90
   and the interpreter; sm_90 runs ``dot_scaled`` through Triton's exact emulation), ``stream_weights``.
-* Triton only for now; ``backend`` and ``persistent`` are fields so Gluon / persistent kernels (issue 8) slot in.
+* **Backend**: on sm_120 the BLOCK_M 64 / 128 W4A16 tiers run the warp-specialized Gluon GEMM
+  (``kernels/gluon_moe_w4a16.py``; BLOCK_M 64 persistent with a third stage) unless
+  ``VLLM_NVFP4_SM120_DISABLE_GLUON=1``; everything else is Triton.
 
 Tiles are compile-checked for sm_120 (no local memory, shared memory <= 99 KB) by ``tests/kernels/test_moe_compile.py``
 over :func:`all_moe_plans`.
@@ -22,6 +24,8 @@ over :func:`all_moe_plans`.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+from ..kernels.gluon_compat import gluon_enabled
 
 W4A4_MIN_TOKENS_PER_EXPERT = 4
 # A TMA box of packed codes is K/2 bytes wide; the dispatch uses it when K % 256 == 0 (whole 128-wide K tiles,
@@ -69,6 +73,8 @@ class MoePlan:
         kw = tile.kwargs(self.kernel)
         if self.kernel == "w4a16":
             kw.update(fast_decode=self.fast_decode, stream_weights=self.stream_weights)
+            if self.backend == "gluon":
+                kw.update(persistent=self.persistent)
         else:
             kw.update(decode=self.decode)
         return kw
@@ -118,6 +124,14 @@ _W4A4_TIERS = {
 }
 
 
+# sm_120 W4A16 tiers served by the Gluon GEMM: block_m → (gate_up tile, down tile, persistent).  The Gluon kernel's
+# BLOCK_K is 64 (its only compile-checked value); 12 / 16 warps in all (1 TMA loader + 4 decode + 4 / 8 MMA warps).
+_GLUON_W4A16_SM120 = {
+    64: (GemmTile(64, 64, 4, 3), GemmTile(128, 64, 4, 3), True),
+    128: (GemmTile(64, 64, 8, 2), GemmTile(128, 64, 8, 2), False),
+}
+
+
 def arch_family(capability: tuple[int, int] | None) -> str:
     """``None`` (CPU / interpreter) and GPUs before sm_90 → ``"other"``; sm_12x → ``"sm120"``; sm_90/10x → ``"sm90"``."""
     if capability is None or capability[0] < 9:
@@ -156,10 +170,25 @@ def select_moe_plan(
     if kernel == "w4a16" and fam != "other":
         gate_up = replace(gate_up, use_tma=hidden % TMA_K_MULTIPLE == 0)
         down = replace(down, use_tma=intermediate % TMA_K_MULTIPLE == 0)
-    return MoePlan(
+    plan = MoePlan(
         kernel=kernel, block_m=block_m, gate_up=gate_up, down=down,
         fast_decode=gpu, decode=fam == "other", stream_weights=kernel == "w4a16" and block_m == 16,
         tier=f"{fam}/{kernel}/{i}",
+    )
+    if fam == "sm120" and gluon_enabled():
+        return as_gluon_w4a16(plan) or plan
+    return plan
+
+
+def as_gluon_w4a16(plan: MoePlan) -> MoePlan | None:
+    """``plan`` on the Gluon W4A16 GEMM with its sm_120 tile, keeping BLOCK_M and the TMA choices; ``None`` when
+    the Gluon GEMM has no tile for it (W4A4, BLOCK_M 16 / 32).  The benchmarks also use it on the H200."""
+    if plan.kernel != "w4a16" or plan.block_m not in _GLUON_W4A16_SM120:
+        return None
+    gate_up, down, persistent = _GLUON_W4A16_SM120[plan.block_m]
+    return replace(
+        plan, gate_up=replace(gate_up, use_tma=plan.gate_up.use_tma), down=replace(down, use_tma=plan.down.use_tma),
+        backend="gluon", persistent=persistent, tier=plan.tier + "/gluon",
     )
 
 
@@ -180,4 +209,7 @@ def all_moe_plans(capability: tuple[int, int] | None) -> list[MoePlan]:
                     fast_decode=gpu, decode=fam == "other",
                     stream_weights=kernel == "w4a16" and block_m == 16, tier=f"{fam}/{kernel}/{i}",
                 ))
+                gluon = as_gluon_w4a16(plans[-1]) if fam == "sm120" else None
+                if gluon is not None:
+                    plans.append(gluon)
     return plans

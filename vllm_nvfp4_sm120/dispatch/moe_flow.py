@@ -91,11 +91,21 @@ def _reference(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, t
     )
 
 
+def _w4a16_kernels(backend: str):
+    """The W4A16 (gate_up, down) launchers of a backend; the Gluon ones take the Triton ones' arguments."""
+    if backend == "gluon":
+        from ..kernels.gluon_moe_w4a16 import gluon_moe_w4a16_down, gluon_moe_w4a16_gate_up
+
+        return gluon_moe_w4a16_gate_up, gluon_moe_w4a16_down
+    from ..kernels.moe_w4a16 import moe_w4a16_down, moe_w4a16_gate_up
+
+    return moe_w4a16_gate_up, moe_w4a16_down
+
+
 def _run_kernels(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
                  a13_enc, a2_enc, expert_map, activation, deterministic, out, plan: MoePlan):
     from ..kernels.moe_align import moe_align, moe_sum
     from ..kernels.moe_w4a4 import moe_quant_input, moe_w4a4_down, moe_w4a4_gate_up
-    from ..kernels.moe_w4a16 import moe_w4a16_down, moe_w4a16_gate_up
 
     t, h = x.shape
     top_k = topk_ids.shape[1]
@@ -108,12 +118,12 @@ def _run_kernels(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec,
     align = moe_align(topk_ids, w13_codes.shape[0], plan.block_m, expert_map=expert_map)
 
     if plan.kernel == "w4a16":
+        gate_up, down = _w4a16_kernels(plan.backend)
         # 2-3. gate_up GEMM with the gated activation in its epilogue → intermediate [T * top_k, I].
-        inter = moe_w4a16_gate_up(x, w13_codes, w13_scales, w13_dec, align, activation=activation,
-                                  **plan.gate_up_kwargs())
+        inter = gate_up(x, w13_codes, w13_scales, w13_dec, align, activation=activation, **plan.gate_up_kwargs())
         # 4. down GEMM, routing weight in its epilogue, summed over the top-k routes.
-        moe_w4a16_down(inter, w2_codes, w2_scales, w2_dec, topk_weights, align, acc, deterministic=deterministic,
-                       **plan.down_kwargs())
+        down(inter, w2_codes, w2_scales, w2_dec, topk_weights, align, acc, deterministic=deterministic,
+             **plan.down_kwargs())
     else:
         # 2-3. Quantize the input, then gate_up GEMM with activation + NVFP4 quantization in its epilogue.
         a_codes, a_scales = moe_quant_input(x, a13_enc)

@@ -27,8 +27,9 @@ rings running on across tiles, so the loader and the decode warps fetch and deco
 warps run the epilogue; meant for BLOCK_M 64 with ``STAGES = 3``.  Otherwise one program per tile of the
 worst-case grid (``GROUP_M`` row blocks share a column tile), dead blocks (past ``num_padded``) do nothing.
 
-Register budget (``setmaxnreg``): the loader gives registers back (``LOADER_REGS``; ``LOADER_REGS_PTR`` for pointer loads), the decode warps keep a
-moderate budget (``DECODE_REGS``); the mma warps get the rest.
+Register budget (``setmaxnreg``): the loader gives registers back (``LOADER_REGS``; ``LOADER_REGS_PTR`` for
+pointer loads), the decode warps keep a moderate budget (``DECODE_REGS``); the mma warps get the rest.  BLOCK_K is
+64 (the tile compile-checked for sm_120).
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ if HAS_GLUON:
                         rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CL))
                         cols = k0 // 2 + gl.arange(0, KB, layout=gl.SliceLayout(0, CL))
                         mask = (rows < N)[:, None] & (cols < K // 2)[None, :]
-                        base = w_ptr + e.to(gl.int64) * stride_we + rows[:, None].to(gl.int64) * stride_wn + cols[None, :]
+                        base = (w_ptr + e.to(gl.int64) * stride_we + rows[:, None].to(gl.int64) * stride_wn
+                                + cols[None, :])
                         for j in gl.static_range(NB):
                             codes = gl.load(base + j * N * stride_wn, mask=mask, other=0)
                             codes_smem.index(s * NB + j).store(codes)
@@ -350,8 +352,8 @@ if HAS_GLUON:
 # Launchers: the arguments of moe_w4a16.moe_w4a16_gate_up / moe_w4a16_down, plus ``persistent`` and ``decode``.
 # ---------------------------------------------------------------------------------------------------------------
 def _check_tile(gated: bool, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int):
-    if block_k not in (64, 128):
-        raise ValueError(f"block_k: the Gluon W4A16 MoE GEMM takes 64 or 128, got {block_k}")
+    if block_k != 64:  # the only BLOCK_K compile-checked for sm_120 (one 128-byte swizzled row per decoded slot)
+        raise ValueError(f"block_k: the Gluon W4A16 MoE GEMM takes 64, got {block_k}")
     if block_n % 16 or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n: expected a power of two >= 16, got {block_n}")
     if num_warps not in (4, 8) or block_m < 16 * (num_warps // 2):

@@ -27,6 +27,8 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from .tile_order import grouped_coords
+
 # A chunk's ranks are computed SUB routes at a time with a [SUB, SUB] comparison.
 _SUB = 64
 # At most this many chunks, so the prefix over chunks is one [MAX_CHUNKS, BLOCK_E] tile.
@@ -243,12 +245,7 @@ def moe_align(topk_ids, num_experts: int, block_m: int, *, expert_map=None):
 @triton.jit
 def moe_block_coords(pid, max_blocks, num_n, GROUP_M: tl.constexpr):
     """Program id → (row block, column tile), GROUP_M row blocks sharing each weight column tile while in L2."""
-    group = pid // (GROUP_M * num_n)
-    first = group * GROUP_M
-    rows_in_group = min(max_blocks - first, GROUP_M)
-    pid_m = first + (pid % (GROUP_M * num_n)) % rows_in_group
-    pid_n = (pid % (GROUP_M * num_n)) // rows_in_group
-    return pid_m, pid_n
+    return grouped_coords(pid, max_blocks, num_n, GROUP_M)
 
 
 @triton.jit

@@ -32,6 +32,7 @@ import os
 import triton
 import triton.language as tl
 
+from .tile_order import grouped_tile
 from .fp4_decode import dequant_rows_16bit
 
 # The MMA's token side: tl.dot needs every dimension >= 16, so the decode kernel pads T up to 16 with masked rows.
@@ -192,16 +193,7 @@ def _w4a16_gemm_kernel(
     GROUP_M: tl.constexpr,
     SWAP_AB: tl.constexpr,
 ):
-    # Grouped tile order: GROUP_M row tiles share each weight column tile while it is in L2, so the packed
-    # weight is fetched from DRAM about once per GROUP_M * BLOCK_M tokens.
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(T, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    rows_in_group = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % rows_in_group
-    pid_n = (pid % (GROUP_M * num_n)) // rows_in_group
+    pid_m, pid_n = grouped_tile(tl.program_id(0), T, N, BLOCK_M, BLOCK_N, GROUP_M)
     dtype = x_ptr.dtype.element_ty
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

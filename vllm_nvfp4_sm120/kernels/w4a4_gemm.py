@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .fp4_decode import expand_scales_f32, unpack_rows_f32
+from .tile_order import grouped_tile
 
 
 # For the sm_120 compile harness: argument types as the launcher passes them (bf16 output).
@@ -44,15 +45,7 @@ def _w4a4_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # Grouped tile order: GROUP_M row tiles share each weight column tile while it is in L2.
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    rows_in_group = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % rows_in_group
-    pid_n = (pid % (GROUP_M * num_n)) // rows_in_group
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
