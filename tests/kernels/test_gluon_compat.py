@@ -30,8 +30,11 @@ def test_version_drift_names_resolve():
     assert compat.DOT_SCALED_FORMAT_IS_CONSTEXPR is (compat.TRITON_VERSION[:2] <= (3, 7))
 
 
-def test_ptx_isa_version_follows_the_bundled_ptxas():
+def test_ptx_isa_version_follows_the_bundled_ptxas(monkeypatch):
     # Triton 3.8 ships ptxas-blackwell 13.3 (PTX 9.3) for sm_100+: enough for cvt.rn.bf16x2.e2m1x2 (needs 9.2).
+    # (FlashInfer's import may have pointed Triton at a system ptxas: ask about the bundled one.)
+    monkeypatch.delenv("TRITON_PTXAS_BLACKWELL_PATH", raising=False)
+    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
     v = compat.ptx_isa_version(120)
     assert v >= 87, v
     if compat.TRITON_VERSION[:2] >= (3, 8):
@@ -42,3 +45,14 @@ def test_parse_version():
     assert compat._parse_version("3.8.0") == (3, 8, 0)
     assert compat._parse_version("3.9.0+git1234") == (3, 9, 0)
     assert compat._parse_version("3.6") == (3, 6, 0)
+
+
+def test_native_decode_only_where_the_ptx_isa_has_it():
+    import torch
+
+    from vllm_nvfp4_sm120.kernels.gluon_gemv import DECODE_CVT, DECODE_PORTABLE, decode_for
+
+    assert decode_for(12, torch.bfloat16, 93) == DECODE_CVT
+    assert decode_for(12, torch.bfloat16, 90) == DECODE_PORTABLE  # CUDA 13.0's ptxas (what FlashInfer selects)
+    assert decode_for(12, torch.float16, 90) == DECODE_CVT  # f16x2.e2m1x2 needs only PTX 8.7
+    assert decode_for(9, torch.float16, 93) == DECODE_PORTABLE  # no e2m1 cvt on sm_90

@@ -154,6 +154,10 @@ def compile_kernel(
         env = dict(os.environ)
         env.setdefault("TRITON_CACHE_DIR", str(out / "triton-cache"))
         env.pop("TRITON_INTERPRET", None)  # the interpreter has no compiler: ASTSource needs the real JIT function
+        # The proof is made with the Triton wheel's own ptxas.  Importing FlashInfer (vLLM does) points
+        # TRITON_PTXAS_BLACKWELL_PATH at a system CUDA >= 13 ptxas, whose PTX ISA can be older (13.0: 9.0).
+        env.pop("TRITON_PTXAS_PATH", None)
+        env.pop("TRITON_PTXAS_BLACKWELL_PATH", None)
         proc = subprocess.run(
             [sys.executable, "-m", __name__, json.dumps(spec), str(out)],
             capture_output=True, text=True, timeout=timeout, env=env,

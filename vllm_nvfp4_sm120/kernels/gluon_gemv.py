@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .gluon_compat import HAS_GLUON, ampere, gl, gluon, require_gluon
+from .gluon_compat import HAS_GLUON, ampere, gl, gluon, ptx_isa_version, require_gluon
 
 # ---------------------------------------------------------------------------------------------------------------
 # e2m1 decode: inline PTX, 4 code bytes in ($4) -> 4 registers out ($0..$3), output i = byte i as a 16-bit pair.
@@ -360,9 +360,18 @@ if HAS_GLUON:
 # ---------------------------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------------------------
-def default_decode(device: torch.device) -> int:
-    """The native cvt where the GPU has it (sm_100+, incl. sm_120), else the portable table."""
-    return DECODE_CVT if torch.cuda.get_device_capability(device)[0] >= 10 else DECODE_PORTABLE
+def decode_for(cc_major: int, dtype: torch.dtype, ptx_isa: int) -> int:
+    """The native cvt where the GPU has it (sm_100+, incl. sm_120) *and* the PTX ISA Triton will emit accepts it
+    (bf16 needs 9.2, fp16 8.7), else the portable table.  The ISA follows the ptxas Triton uses, which an
+    import can change: FlashInfer points ``TRITON_PTXAS_BLACKWELL_PATH`` at a system CUDA >= 13 ptxas, and CUDA
+    13.0's emits PTX 9.0, which rejects the bf16 cvt."""
+    needed = 92 if dtype == torch.bfloat16 else 87
+    return DECODE_CVT if cc_major >= 10 and ptx_isa >= needed else DECODE_PORTABLE
+
+
+def default_decode(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> int:
+    major = torch.cuda.get_device_capability(device)[0]
+    return decode_for(major, dtype, ptx_isa_version(major * 10) if major >= 10 else 0)
 
 
 def _check_gemv_args(x, w_codes, w_scales, w_dec_rows, bias, out):
@@ -399,7 +408,7 @@ def gemv_fma(x, w_codes, w_scales, w_dec_rows, *, bias=None, tile: FmaTile | Non
     if t == 0 or n == 0:
         return out
     tile = tile or FmaTile(block_t=min(t, 2), rows_per_warp=1, num_warps=4)
-    decode = default_decode(x.device) if decode is None else decode
+    decode = default_decode(x.device, x.dtype) if decode is None else decode
     grid = (triton.cdiv(n, tile.block_n), triton.cdiv(t, tile.block_t))
     _gemv_fma_kernel[grid](
         x, w_codes, w_scales.view(torch.uint8), w_dec_rows, bias if bias is not None else out, out,
@@ -418,7 +427,7 @@ def gemv_mma(x, w_codes, w_scales, w_dec_rows, *, bias=None, tile: MmaTile | Non
     if t == 0 or n == 0:
         return out
     tile = tile or MmaTile(block_t=8 if t <= 8 else 16 if t <= 16 else 32, num_warps=4)
-    decode = default_decode(x.device) if decode is None else decode
+    decode = default_decode(x.device, x.dtype) if decode is None else decode
     grid = (triton.cdiv(n, tile.block_m), triton.cdiv(t, tile.block_t))
     _gemv_mma_kernel[grid](
         x, w_codes, w_scales.view(torch.uint8), w_dec_rows, bias if bias is not None else out, out,

@@ -391,10 +391,10 @@ def _grid(align: MoeAlignment, num_n: int, persistent: bool, device) -> tuple[in
     return (max(1, min(sms, tiles)),)
 
 
-def _decode_mode(device, decode: int | None) -> int:
+def _decode_mode(device, dtype, decode: int | None) -> int:
     from .gluon_gemv import default_decode
 
-    return default_decode(device) if decode is None else decode
+    return default_decode(device, dtype) if decode is None else decode
 
 
 def _launch(x, codes, w_sf, dec, topk_w, out, align, n, k, stride_we, stride_wn, *, gated, activation,
@@ -407,7 +407,7 @@ def _launch(x, codes, w_sf, dec, topk_w, out, align, n, k, stride_we, stride_wn,
         align.num_routes, n, k, align.top_k, align.max_blocks,
         x.stride(0), stride_we, stride_wn, w_sf.stride(0), w_sf.stride(1), out.stride(0),
         GATED=gated, ACTIVATION=activation, DETERMINISTIC=deterministic, USE_TMA=use_tma,
-        DECODE=_decode_mode(x.device, decode), PERSISTENT=persistent, STAGES=num_stages,
+        DECODE=_decode_mode(x.device, x.dtype, decode), PERSISTENT=persistent, STAGES=num_stages,
         BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         MMA_WARPS_M=num_warps // 2, num_warps=num_warps,
     )
