@@ -18,6 +18,7 @@ import nvfp4_layers as NL
 from vllm_nvfp4_sm120.dispatch.linear import small_t_threshold
 from vllm_nvfp4_sm120.vllm import linear as ours
 from vllm_platform import fake_cuda, vllm_config
+import vllm_nvfp4_sm120.vllm.log as glue_log_state  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("registered", "tp_group")
 
@@ -182,7 +183,7 @@ def test_fused_part_spread_warning(fake_platform, plugin_log, spread, warns):
 
 
 def test_one_info_line_per_layer_kind(fake_platform, plugin_log, monkeypatch):
-    monkeypatch.setattr(ours, "_logged", set())
+    monkeypatch.setattr(glue_log_state, "_logged", set())
     fake_platform((12, 0))
     with set_current_vllm_config(vllm_config()):
         for i in range(3):

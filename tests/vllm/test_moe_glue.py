@@ -36,6 +36,7 @@ from vllm_platform import fake_cuda, vllm_config  # noqa: E402
 from vllm_nvfp4_sm120.dispatch.moe import W4A4_MIN_TOKENS_PER_EXPERT  # noqa: E402
 from vllm_nvfp4_sm120.format import GlobalScale, NvFp4, make_moe_bank, moe_ref, topk_route  # noqa: E402
 from vllm_nvfp4_sm120.vllm import moe as glue  # noqa: E402
+import vllm_nvfp4_sm120.vllm.log as glue_log_state  # noqa: E402
 
 E, H, I, TOP_K = 8, 128, 64, 2  # one TP shard: H and I multiples of 16 (and of the 128x4 swizzle's 4 scale columns)
 FORMATS = ("modelopt", "ct")
@@ -56,7 +57,7 @@ def moe_registered(tp_group):
 def glue_log(caplog, monkeypatch):
     log = logging.getLogger("vllm.nvfp4_sm120")
     monkeypatch.setattr(log, "propagate", False)
-    monkeypatch.setattr(glue, "_logged", set())  # every test sees its own once-per-choice lines
+    monkeypatch.setattr(glue_log_state, "_logged", set())  # every test sees its own once-per-choice lines
     log.addHandler(caplog.handler)
     caplog.set_level(logging.DEBUG, logger="vllm.nvfp4_sm120")
     yield caplog

@@ -12,6 +12,7 @@ import nvfp4_layers as NL
 from vllm_nvfp4_sm120.dispatch import ops
 from vllm_nvfp4_sm120.vllm import linear as ours
 from vllm_platform import vllm_config
+import vllm_nvfp4_sm120.vllm.log as glue_log_state  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("registered", "tp_group")
 FORMATS = ["modelopt", "ct"]
@@ -90,7 +91,7 @@ def test_unavailable_route_falls_back_and_says_why(fake_platform, plugin_log, mo
     import sys
 
     monkeypatch.setitem(sys.modules, "vllm_nvfp4_sm120.kernels.fp4_routes", None)  # import fails
-    monkeypatch.setattr(ours, "_logged", set())
+    monkeypatch.setattr(glue_log_state, "_logged", set())
     fake_platform((12, 0))
     kernel = kernel_for("modelopt", "w4a4", linear_backend="nvfp4_sm120_cublas")
     assert type(kernel) is ours.TritonNvFp4LinearKernel  # auto on sm_120: our first class
@@ -99,7 +100,7 @@ def test_unavailable_route_falls_back_and_says_why(fake_platform, plugin_log, mo
 
 
 def test_w4a4_route_named_on_w4a16_checkpoint_falls_back(fake_platform, plugin_log, monkeypatch):
-    monkeypatch.setattr(ours, "_logged", set())
+    monkeypatch.setattr(glue_log_state, "_logged", set())
     fake_platform((12, 0))
     kernel = kernel_for("modelopt", "w4a16", linear_backend="nvfp4_sm120_triton")
     assert not isinstance(kernel, ours.Sm120NvFp4LinearKernel)

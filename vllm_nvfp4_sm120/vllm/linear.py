@@ -24,15 +24,14 @@ from collections.abc import Callable, Iterator
 from typing import ClassVar
 
 import torch
-from vllm.logger import init_logger
 from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearKernel, NvFp4LinearLayerConfig
 from vllm.model_executor.utils import replace_parameter
 
 from ..dispatch import linear as dispatch_linear
 from ..format import check_tensor
 from . import scale_policy
+from .log import log_once
 
-logger = init_logger("vllm.nvfp4_sm120")
 
 AUTO_BACKEND = "nvfp4_sm120"
 # Routes tried, in order, when the user names AUTO_BACKEND (W4A4 layers), per compute-capability major.
@@ -102,15 +101,6 @@ def layer_is_w4a4(layer: torch.nn.Module) -> bool:
     return getattr(layer, "input_global_scale_inv", None) is not None and getattr(layer, "alpha", None) is not None
 
 
-_logged: set[tuple] = set()
-
-
-def _log_once(level: str, key: tuple, msg: str, *args) -> None:
-    """One line per distinct key (layer kind, route, kernel, reason), not one per layer."""
-    if key in _logged:
-        return
-    _logged.add(key)
-    getattr(logger, level)(msg, *args)
 
 
 class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
@@ -160,7 +150,7 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
         n, k = self._check_layer(layer)
         if (why := self.layer_refusal(layer, n, k, w4a4)) is not None:
             self._fallback = _fallback_kernel(use_a16=not w4a4, exclude=(type(self),))
-            _log_once(
+            log_once(
                 "warning", (kind, self.route, "fallback", why),
                 "nvfp4_sm120: route %s cannot take NVFP4 %s layers (first: %s): %s; using %s instead",
                 self.route, kind, scale_policy.layer_name(layer), why, type(self._fallback).__name__,
@@ -171,7 +161,7 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
             return
         layer.register_buffer(_W_DEC_ROWS, scale_policy.weight_dec_rows(layer, w4a4=w4a4), persistent=False)
         layer.register_buffer(_W_SCALES_SWIZZLED, self._prepare_weight(layer), persistent=False)
-        _log_once("info", (kind, self.route, type(self).__name__),
+        log_once("info", (kind, self.route, type(self).__name__),
                   "nvfp4_sm120: NVFP4 %s layers use %s (route %s)", kind, type(self).__name__, self.route)
 
     @staticmethod
@@ -351,7 +341,7 @@ def select_nvfp4_linear_kernel(use_a16: bool = False) -> NvFp4LinearKernel:
         if why is None:
             return cls(NvFp4LinearLayerConfig())
         reasons.append(f"{cls.__name__}: {why}")
-    _log_once(
+    log_once(
         "warning", (quantization, backend, tuple(reasons)),
         "nvfp4_sm120: --linear-backend=%s cannot take %s layers (%s); falling back to vLLM's selection",
         backend, quantization, "; ".join(reasons),

@@ -34,7 +34,6 @@ from collections.abc import Callable
 import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 import vllm.model_executor.layers.fused_moe.oracle.nvfp4 as oracle
-from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
@@ -48,8 +47,8 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import QuantKey, 
 from vllm.model_executor.utils import replace_parameter
 
 from ..format import check_tensor
+from .log import layer_name, log_once, logger
 
-logger = init_logger("vllm.nvfp4_sm120")
 
 BACKEND_NAME = "nvfp4_sm120"  # --moe-backend
 BACKEND_NAMES: tuple[str, ...] = (BACKEND_NAME,)
@@ -70,19 +69,7 @@ def _ops():
     return moe_ops
 
 
-_logged: set[tuple] = set()
 
-
-def _log_once(level: str, key: tuple, msg: str, *args) -> None:
-    """One line per distinct choice (format, activations, how chosen), not one per layer."""
-    if key in _logged:
-        return
-    _logged.add(key)
-    getattr(logger, level)(msg, *args)
-
-
-def layer_name(layer: torch.nn.Module) -> str:
-    return getattr(layer, "layer_name", None) or getattr(layer, "prefix", None) or type(layer).__name__
 
 
 # ---- the experts ---------------------------------------------------------------------------------------------------
@@ -358,14 +345,14 @@ def _make_select(fmt: str, original: Callable) -> Callable:
         why = _choose(config, weight_key, activation_key)
         if why is None:
             how = "named" if config.moe_backend in BACKEND_NAMES else "auto"
-            _log_once("info", (fmt, acts, how),
+            log_once("info", (fmt, acts, how),
                       "nvfp4_sm120: NVFP4 MoE layers (%s %s) use %s (%s)",
                       fmt, acts, Sm120NvFp4Experts.__name__,
                       "--moe-backend " + BACKEND_NAME if how == "named" else "automatic on sm_12x")
             return BACKEND_SLOT, Sm120NvFp4Experts
         if config.moe_backend not in BACKEND_NAMES:
             return original(config, weight_key, activation_key)
-        _log_once("warning", (fmt, acts, why),
+        log_once("warning", (fmt, acts, why),
                   "nvfp4_sm120: --moe-backend %s cannot take %s %s MoE layers (%s); using vLLM's automatic choice",
                   BACKEND_NAME, fmt, acts, why)
         # vLLM does not know our name: run its automatic selection for this layer.

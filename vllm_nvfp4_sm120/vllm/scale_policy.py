@@ -22,16 +22,12 @@ hooks in :mod:`.register`).  Without a capture (another caller, e.g. the online 
 from __future__ import annotations
 
 import torch
-from vllm.logger import init_logger
 
-logger = init_logger("vllm.nvfp4_sm120")
+from .log import layer_name, logger
 
 SPREAD_WARN_FRACTION = 0.05
 _PARTS_ATTR = "_nvfp4_sm120_part_dec"  # plain attribute: load-time only, deleted once consumed
 
-
-def layer_name(layer: torch.nn.Module) -> str:
-    return getattr(layer, "prefix", None) or getattr(layer, "layer_name", None) or type(layer).__name__
 
 
 def capture_part_globals(layer: torch.nn.Module, *, dec: torch.Tensor | None = None, enc: torch.Tensor | None = None) -> None:
