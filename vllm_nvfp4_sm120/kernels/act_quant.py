@@ -100,9 +100,10 @@ def quantize_blocks_nvfp4(x, enc, NATIVE_E4M3: tl.constexpr):
     amax = tl.max(tl.abs(x), axis=2)
     sf_byte, sf_val = _e4m3_rne(tl.minimum(enc * (amax * _ONE_SIXTH), 448.0), NATIVE_E4M3)
     dec = sf_val * tl.div_rn(1.0, enc)
-    # 1/0 := 0 keeps an all-zero block at code 0 instead of 0 * inf = NaN.
+    # 1/0 := 0 keeps an all-zero block at code 0 instead of 0 * inf = NaN.  The scalar 1.0 is broadcast by
+    # div_rn itself (no tl.full: Gluon kernels call this function too, and Gluon's full needs a layout).
     is_zero = dec == 0.0
-    elem_scale = tl.where(is_zero, 0.0, tl.div_rn(tl.full(dec.shape, 1.0, tl.float32), tl.where(is_zero, 1.0, dec)))
+    elem_scale = tl.where(is_zero, 0.0, tl.div_rn(1.0, tl.where(is_zero, 1.0, dec)))
     codes = _e2m1_codes(x * elem_scale[:, :, None])
     lo, hi = tl.split(tl.reshape(codes, (x.shape[0], x.shape[1], 8, 2)))
     return (lo | (hi << 4)).to(tl.uint8), sf_byte.to(tl.uint8)
