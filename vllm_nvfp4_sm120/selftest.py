@@ -215,6 +215,21 @@ def _compile_gluon_gemv() -> str:
     return rep.summary()
 
 
+@check("compile", "Gluon warp-specialized MoE W4A4 gate_up → OMMA + TMA + setmaxnreg (sm_120)")
+def _compile_gluon_moe_w4a4() -> str:
+    from .kernels import gluon_moe_w4a4 as g4
+    from .kernels.aot import PTX_TMA_LOAD, SASS_OMMA_NVFP4, compile_kernel
+
+    consts = dict(GATED=True, ACTIVATION="silu", DETERMINISTIC=False, USE_TMA=True, DECODE=False, PERSISTENT=False,
+                  STAGES=3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, MMA_WARPS_M=2)
+    rep = compile_kernel("vllm_nvfp4_sm120.kernels.gluon_moe_w4a4:_gluon_moe_w4a4_kernel",
+                         g4.signature(True, True, 64, 128), consts, divisible=g4.divisible(True), gluon=True,
+                         num_warps=4)
+    rep.require_sass(SASS_OMMA_NVFP4).require_ptx(PTX_TMA_LOAD).require_ptx("setmaxnreg")
+    rep.require_no_local().require_smem()
+    return rep.summary()
+
+
 # ---- on this GPU ------------------------------------------------------------------------------------------------
 
 def _need_cuda() -> torch.device:
@@ -353,6 +368,54 @@ def _gpu_gluon_mma_scaled() -> str:
     ref = unit_values(*a) @ unit_values(*w).t()
     torch.testing.assert_close(c.cpu(), ref, rtol=1e-5, atol=1e-5)
     return f"{bm}x{bn}x{k} tile identical within 1e-5 (NUMERICS_VERIFIED_ON_SM120 may be set True now)"
+
+
+@check("gpu", "Gluon MoE GEMMs (warp-specialized W4A16; W4A4 with native OMMA on sm_120) vs torch reference")
+def _gpu_gluon_moe() -> str:
+    dev = _need_cuda()
+    flow = _landed("dispatch.moe_flow", "nvfp4_moe", "plan_for")
+    g4 = _landed("kernels.gluon_moe_w4a4", "gluon_moe_w4a4_gate_up", "gluon_moe_w4a4_down")
+    from .dispatch.moe import as_gluon_w4a16
+    from .format import make_moe_bank, moe_ref, topk_route
+    from .kernels.act_quant import quantize_act_nvfp4
+    from .kernels.gluon_compat import ENV_DISABLE, gluon_enabled
+    from .kernels.moe_align import moe_align, moe_sum
+
+    if not gluon_enabled():
+        raise Skip(f"Gluon kernels are off (Triton without Gluon >= 3.6, or {ENV_DISABLE}=1)")
+    if torch.cuda.get_device_capability()[0] < 9:
+        raise Skip("needs sm_90 or newer (TMA, warp specialization)")
+    gen = torch.Generator().manual_seed(8)
+    e, h, i, top_k, t = 8, 512, 256, 2, 256  # 64 routes per expert: the BLOCK_M 64 tier
+    w13, w13_dec = make_moe_bank(e, 2 * i, h, gen=gen)
+    w2, w2_dec = make_moe_bank(e, h, i, gen=gen)
+    a13, a2 = GlobalScale.from_amax(4.0), GlobalScale.from_amax(1.0)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+    weights, ids = topk_route(torch.randn(t, e, generator=gen), top_k)
+    xd, c13, s13, d13, c2, s2, d2, wd, idd = [v.to(dev) for v in (
+        x, w13.codes, w13.scales, w13_dec, w2.codes, w2.scales, w2_dec, weights, ids)]
+    done = []
+
+    plan = as_gluon_w4a16(flow.plan_for(xd, c13, c2, idd, w4a4=False))
+    out = flow.nvfp4_moe(xd, c13, s13, d13, c2, s2, d2, wd, idd, plan=plan)
+    ref = moe_ref(x, w13, w13_dec, w2, w2_dec, weights, ids)
+    torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=1e-2, atol=1e-2)
+    done.append(f"W4A16 {plan.tier}")
+
+    # W4A4: the same steps as dispatch.moe_flow, with the Gluon GEMMs (not routed by the dispatch yet).
+    a13_enc, a2_enc = a13.enc.reshape(1).to(dev), a2.enc.reshape(1).to(dev)
+    align = moe_align(idd, e, 64)
+    a_codes, a_scales = quantize_act_nvfp4(xd, a13_enc)
+    i_codes, i_scales = g4.gluon_moe_w4a4_gate_up(a_codes, a_scales, c13, s13, d13, a13_enc, a2_enc, align)
+    acc = torch.zeros(t, h, dtype=torch.float32, device=dev)
+    g4.gluon_moe_w4a4_down(i_codes, i_scales, c2, s2, d2, a2_enc, wd, align, acc)
+    out = moe_sum(acc, 1, torch.empty(t, h, dtype=torch.bfloat16, device=dev))
+    ref = moe_ref(x, w13, w13_dec, w2, w2_dec, weights, ids, a13_gs=a13, a2_gs=a2)
+    # The intermediate is re-quantized: a few e2m1 codes may round the other way (fp32 order differs).
+    torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=5e-2, atol=5e-2)
+    native = torch.cuda.get_device_capability()[0] == 12
+    done.append(f"W4A4 BLOCK_M 64 ({'native OMMA' if native else 'exact decode + bf16 MMA'})")
+    return f"T={t}, E={e}, H={h}, I={i}: " + ", ".join(done)
 
 
 KINDS = ("format", "compile", "gpu")
