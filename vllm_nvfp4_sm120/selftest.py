@@ -301,7 +301,7 @@ def _gpu_w4a16() -> str:
 def _gpu_moe() -> str:
     dev = _need_cuda()
     flow = _landed("dispatch.moe_flow", "nvfp4_moe", "plan_for")
-    from .format import NvFp4, make_moe_bank, moe_ref, topk_route
+    from .format import make_moe_bank, moe_ref, topk_route
 
     gen = torch.Generator().manual_seed(5)
     e, h, i, top_k = 8, 256, 128, 2

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from vllm_nvfp4_sm120.format import (
-    GlobalScale,
     linear_w4a4_ref,
     linear_w4a16_ref,
     make_linear,

@@ -8,7 +8,7 @@ The sm_120 compile checks of every tile in the dispatch table live in tests/disp
 import pytest
 import torch
 
-from vllm_nvfp4_sm120.format import GlobalScale, quantize_nvfp4, random_nvfp4, unit_values
+from vllm_nvfp4_sm120.format import quantize_nvfp4, random_nvfp4, unit_values
 from vllm_nvfp4_sm120.kernels.w4a4_gemm import w4a4_gemm
 
 REAL_SHAPES = [  # (N, K): Qwen3-32B and Llama-3.3-70B linears

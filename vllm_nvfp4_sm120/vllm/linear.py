@@ -101,8 +101,6 @@ def layer_is_w4a4(layer: torch.nn.Module) -> bool:
     return getattr(layer, "input_global_scale_inv", None) is not None and getattr(layer, "alpha", None) is not None
 
 
-
-
 class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
     """Base of our NVFP4 linear kernels; subclasses fix :attr:`route`."""
 

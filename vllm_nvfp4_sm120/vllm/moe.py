@@ -69,9 +69,6 @@ def _ops():
     return moe_ops
 
 
-
-
-
 # ---- the experts ---------------------------------------------------------------------------------------------------
 
 class Sm120NvFp4Experts(mk.FusedMoEExpertsModular):

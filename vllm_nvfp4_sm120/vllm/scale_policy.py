@@ -29,7 +29,6 @@ SPREAD_WARN_FRACTION = 0.05
 _PARTS_ATTR = "_nvfp4_sm120_part_dec"  # plain attribute: load-time only, deleted once consumed
 
 
-
 def capture_part_globals(layer: torch.nn.Module, *, dec: torch.Tensor | None = None, enc: torch.Tensor | None = None) -> None:
     """Keep a copy of the per-part weight globals (one per fused part) before vLLM merges them."""
     if (dec is None) == (enc is None):
