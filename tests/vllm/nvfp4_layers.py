@@ -14,6 +14,7 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
 from vllm_nvfp4_sm120.format import GlobalScale, LinearProblem, make_linear
+from vllm_nvfp4_sm120.tiny_checkpoint import compressed_tensors_quant_config
 
 HIDDEN = 272
 QKV = dict(head_size=32, total_num_heads=3, total_num_kv_heads=1)  # q 96, k 32, v 32
@@ -28,29 +29,10 @@ MODELOPT_HF_QUANT_CONFIG = {
 MODELOPT_W4A16_HF_QUANT_CONFIG = copy.deepcopy(MODELOPT_HF_QUANT_CONFIG)
 MODELOPT_W4A16_HF_QUANT_CONFIG["quantization"]["quant_algo"] = "W4A16_NVFP4"
 
-_FP4_ARGS = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
-             "dynamic": False, "observer": "minmax", "actorder": None, "block_structure": None}
-# config.json "quantization_config" of an llm-compressor NVFP4 export (W4A4, dynamic local activations)
-CT_QUANTIZATION_CONFIG = {
-    "quant_method": "compressed-tensors",
-    "format": "nvfp4-pack-quantized",
-    "quantization_status": "compressed",
-    "global_compression_ratio": None,
-    "config_groups": {
-        "group_0": {
-            "targets": ["Linear"],
-            "format": "nvfp4-pack-quantized",
-            "weights": dict(_FP4_ARGS),
-            "input_activations": dict(_FP4_ARGS, dynamic="local"),
-            "output_activations": None,
-        }
-    },
-    "ignore": ["lm_head"],
-    "kv_cache_scheme": None,
-    "sparsity_config": {},
-}
-CT_W4A16_QUANTIZATION_CONFIG = copy.deepcopy(CT_QUANTIZATION_CONFIG)
-CT_W4A16_QUANTIZATION_CONFIG["config_groups"]["group_0"]["input_activations"] = None
+# config.json "quantization_config" of an llm-compressor NVFP4 export (W4A4: dynamic local activations), the same
+# dicts the tiny example checkpoints are written with.
+CT_QUANTIZATION_CONFIG = compressed_tensors_quant_config()
+CT_W4A16_QUANTIZATION_CONFIG = compressed_tensors_quant_config(w4a16=True)
 
 CONFIGS = {
     ("modelopt", "w4a4"): MODELOPT_HF_QUANT_CONFIG,
