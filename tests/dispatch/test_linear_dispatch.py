@@ -20,6 +20,11 @@ def test_small_batches_go_to_w4a16(route, gluon, monkeypatch):
     assert select_linear(120, route, limit + 1, 5120, 5120).is_w4a4 == (route != "w4a16")
 
 
+def test_sm90_sends_t2_to_the_tensor_core_gemv():
+    assert select_linear(90, "triton", 2, 5120, 5120).kernel == "gluon_gemv_mma"
+    assert select_linear(120, "triton", 2, 5120, 5120).kernel == "gluon_gemv_fma"  # sm_120: unmeasured, issue 7's rule
+
+
 def test_gluon_gemv_only_on_sm120_and_sm90():
     assert select_linear(120, "triton", 1, 5120, 5120).kernel == "gluon_gemv_fma"
     assert select_linear(90, "triton", 1, 5120, 5120).kernel == "gluon_gemv_fma"

@@ -112,15 +112,19 @@ def select_linear(cc: int, route: str, t: int, n: int, k: int, sm_count: int = 1
     for row in _rows(cc, route):
         if row.max_t is None or t <= row.max_t:
             if row.plan == _W4A16_SMALL and cc // 10 in GLUON_GEMV_ARCHS and gluon_enabled():
-                return gluon_gemv_plan(t, n, k, sm_count)
+                return gluon_gemv_plan(t, n, k, sm_count, cc // 10)
             if row.plan in (_W4A16_SMALL, _W4A16_BIG):
                 return w4a16_plan(t, n, k, sm_count, cc // 10, small=row.plan == _W4A16_SMALL)
             return row.plan
     raise AssertionError("every route's last row admits any T")
 
 
-def gluon_gemv_plan(t: int, n: int, k: int, sm_count: int) -> LinearPlan:
+def gluon_gemv_plan(t: int, n: int, k: int, sm_count: int, cc_major: int = 12) -> LinearPlan:
     """The Gluon gemv kernel and tile (``kernels.gluon_gemv.gemv_config``, issue 7's tile rule)."""
+    if cc_major == 9 and t == 2:
+        # Measured on the H200 (docs/benchmarks.md): the CUDA-core tile at T = 2 took 1.1-2.3x the tensor-core
+        # tile's time at T = 4 on all four Qwen3-32B shapes, and the block_t = 8 tile costs the same for T = 2..8.
+        t = 3
     kind, tile = gluon_gemv.gemv_config(max(t, 1), n, k, sm_count)
     return _p(f"gluon_gemv_{kind}", **vars(tile))
 
