@@ -39,6 +39,7 @@ import triton.language as tl
 
 from .act_quant import quantize_blocks_nvfp4
 from .gluon_compat import HAS_GLUON, ampere, gl, gluon, hopper, mbarrier_expect, require_gluon, tma_async_load
+from .gluon_moe_w4a16 import _grid, _weight_desc, codes_smem_layout_args
 from .moe_align import MoeAlignment
 from .moe_w4a16 import ACTIVATIONS, gated_activation_f32
 
@@ -63,11 +64,6 @@ GLUON_MOE_W4A4_SIGNATURE = {
 GLUON_MOE_W4A4_DIVISIBLE = [k for k, v in GLUON_MOE_W4A4_SIGNATURE.items() if v.startswith("*")] + [
     "N", "K", "stride_am", "stride_asm", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_om",
     "stride_osm"]
-
-
-def codes_smem_layout_args(block_k: int) -> dict:
-    """NVMMASharedLayout of a codes slot ``[rows, BLOCK_K/2]`` u8 (TMA's destination): swizzle = row bytes."""
-    return dict(swizzle_byte_width=min(128, block_k // 2), element_bitwidth=8, rank=2)
 
 
 def signature(gated: bool, use_tma: bool, block_n: int, block_k: int) -> dict:
@@ -361,30 +357,6 @@ def _check_tile(gated: bool, block_m: int, block_n: int, block_k: int, num_warps
     if need > SMEM_LIMIT - 8192:  # room for barriers and the epilogue's layout-conversion scratch
         raise ValueError(f"tile: {num_stages} stages of [{block_m}+{block_n}, {block_k}] need {need} B of shared "
                          f"memory (sm_120 has {SMEM_LIMIT} B per block); use fewer stages or a smaller tile")
-
-
-def _weight_desc(codes, use_tma: bool, block_n: int, block_k: int):
-    """The gluon TMA descriptor over the codes' [E * rows, K/2] view, or the codes themselves (unused)."""
-    if not use_tma:
-        return codes
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    e, n, kh = codes.shape
-    if not codes.is_contiguous() or (2 * kh) % block_k or codes.data_ptr() % 16:
-        raise ValueError(f"use_tma: the weight codes must be contiguous, 16-byte aligned, with K % block_k == 0; "
-                         f"got shape {list(codes.shape)} strides {codes.stride()} block_k {block_k}")
-    layout = gl.NVMMASharedLayout(**codes_smem_layout_args(block_k))
-    return TensorDescriptor.from_tensor(codes.view(e * n, kh), [block_n, block_k // 2], layout)
-
-
-def _grid(align: MoeAlignment, num_n: int, persistent: bool, device) -> tuple[int]:
-    tiles = align.max_blocks * num_n
-    if not persistent:
-        return (tiles,)
-    import torch
-
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return (max(1, min(sms, tiles)),)
 
 
 def default_decode(device) -> bool:
