@@ -464,18 +464,9 @@ def gluon_moe_w4a16_down(
     """Gluon twin of :func:`.moe_w4a16.moe_w4a16_down`: ``topk_weight * (inter[route] @ w2[e]^T)`` summed into
     the zeroed fp32 ``out`` ``[T, H]`` (atomics) or, ``deterministic``, the per-route ``[R, H]``."""
     require_gluon("gluon_moe_w4a16_down")
-    import torch
+    from .moe_w4a16 import check_down_inputs
 
-    from ..format.checks import ACT_DTYPES, check_tensor
-    from .moe_w4a16 import _check_bank
-
-    r = align.num_routes
-    check_tensor("inter", inter, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
-    w_sf, _, h, i = _check_bank("w2", w2_codes, w2_scales, w2_dec, None, inter.shape[1])
-    check_tensor("inter", inter, shape=[r, i])
-    check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=[r // max(align.top_k, 1), align.top_k])
-    rows = r if deterministic else r // max(align.top_k, 1)
-    check_tensor("out", out, dtype=torch.float32, shape=[rows, h], last_dim_contiguous=True)
+    w_sf, h, i, r = check_down_inputs(inter, w2_codes, w2_scales, w2_dec, topk_weights, align, out, deterministic)
     if r == 0:
         return out
     _launch(inter, w2_codes, w_sf, w2_dec, topk_weights.contiguous(), out, align, h, i, w2_codes.stride(0),

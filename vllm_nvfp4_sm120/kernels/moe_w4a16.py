@@ -288,16 +288,8 @@ def moe_w4a16_gate_up(
     return out
 
 
-def moe_w4a16_down(
-    inter, w2_codes, w2_scales, w2_dec, topk_weights, align: MoeAlignment, out, *,
-    deterministic: bool = False, block_n: int = 64, block_k: int = 128, group_m: int = 8, num_warps: int = 4,
-    num_stages: int = 3, use_tma: bool = False, fast_decode: bool = False, stream_weights: bool = False,
-):
-    """``topk_weight * (inter[route] @ w2[e]^T)`` summed into ``out``.
-
-    ``out`` is fp32 and zeroed by the caller: ``[T, H]`` (atomic adds) or, with ``deterministic``, the per-route
-    buffer ``[R, H]`` that :func:`.moe_align.moe_sum` reduces in slot order.
-    """
+def check_down_inputs(inter, w2_codes, w2_scales, w2_dec, topk_weights, align, out, deterministic):
+    """The down GEMM launchers' argument checks (Triton and Gluon): ``(w2 scales as e4m3, H, I, routes)``."""
     import torch
 
     from ..format.checks import ACT_DTYPES, check_tensor
@@ -309,6 +301,20 @@ def moe_w4a16_down(
     check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=[r // max(align.top_k, 1), align.top_k])
     rows = r if deterministic else r // max(align.top_k, 1)
     check_tensor("out", out, dtype=torch.float32, shape=[rows, h], last_dim_contiguous=True)
+    return w_sf, h, i, r
+
+
+def moe_w4a16_down(
+    inter, w2_codes, w2_scales, w2_dec, topk_weights, align: MoeAlignment, out, *,
+    deterministic: bool = False, block_n: int = 64, block_k: int = 128, group_m: int = 8, num_warps: int = 4,
+    num_stages: int = 3, use_tma: bool = False, fast_decode: bool = False, stream_weights: bool = False,
+):
+    """``topk_weight * (inter[route] @ w2[e]^T)`` summed into ``out``.
+
+    ``out`` is fp32 and zeroed by the caller: ``[T, H]`` (atomic adds) or, with ``deterministic``, the per-route
+    buffer ``[R, H]`` that :func:`.moe_align.moe_sum` reduces in slot order.
+    """
+    w_sf, h, i, r = check_down_inputs(inter, w2_codes, w2_scales, w2_dec, topk_weights, align, out, deterministic)
     if r == 0:
         return out
     grid = (align.max_blocks * triton.cdiv(h, block_n),)
