@@ -41,7 +41,7 @@ from .act_quant import quantize_blocks_nvfp4
 from .gluon_compat import HAS_GLUON, ampere, gl, gluon, hopper, mbarrier_expect, require_gluon, tma_async_load
 from .gluon_moe_w4a16 import _grid, _weight_desc, codes_smem_layout_args
 from .moe_align import MoeAlignment
-from .moe_w4a16 import ACTIVATIONS, gated_activation_f32
+from .moe_w4a16 import gated_activation_f32
 
 LOADER_WARPS = 1
 LOADER_REGS = 96  # the activation gather (always pointer loads) in 32-row chunks, plus a few scalars
@@ -408,29 +408,10 @@ def gluon_moe_w4a4_gate_up(
     require_gluon("gluon_moe_w4a4_gate_up")
     import torch
 
-    from ..format.checks import check_tensor
-    from .moe_w4a16 import _check_bank
-    from .moe_w4a4 import _check_enc
+    from .moe_w4a4 import _check_enc, check_gate_up_inputs
 
-    check_tensor("a_codes", a_codes, dtype=torch.uint8, ndim=2, last_dim_contiguous=True)
-    t, hh = a_codes.shape
-    h = 2 * hh
-    check_tensor("a_scales", a_scales, dtype=(torch.uint8, torch.float8_e4m3fn), shape=[t, h // 16],
-                 last_dim_contiguous=True)
-    w_sf, _, two_i, _ = _check_bank("w13", w13_codes, w13_scales, w13_dec, None, h)
-    if two_i % 32:
-        raise ValueError(f"w13_codes: 2I = {two_i} rows must be gate and up halves of I % 16 == 0")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-    i, r = two_i // 2, align.num_routes
-    if r != t * align.top_k:
-        raise ValueError(f"align: built for {r} routes, a_codes has {t} tokens x top_k {align.top_k}")
-    if out_codes is None:
-        out_codes = torch.empty((r, i // 2), dtype=torch.uint8, device=a_codes.device)
-    if out_scales is None:
-        out_scales = torch.empty((r, i // 16), dtype=torch.uint8, device=a_codes.device)
-    check_tensor("out_codes", out_codes, dtype=torch.uint8, shape=[r, i // 2], last_dim_contiguous=True)
-    check_tensor("out_scales", out_scales, dtype=torch.uint8, shape=[r, i // 16], last_dim_contiguous=True)
+    w_sf, h, i, r, out_codes, out_scales = check_gate_up_inputs(
+        a_codes, a_scales, w13_codes, w13_scales, w13_dec, align, activation, out_codes, out_scales)
     a13 = _check_enc("a13_enc", a13_enc)
     a2 = _check_enc("a2_enc", a2_enc)
     if r == 0:
@@ -455,20 +436,10 @@ def gluon_moe_w4a4_down(
     require_gluon("gluon_moe_w4a4_down")
     import torch
 
-    from ..format.checks import check_tensor
-    from .moe_w4a16 import _check_bank
-    from .moe_w4a4 import _check_enc
+    from .moe_w4a4 import _check_enc, check_down_inputs
 
-    r = align.num_routes
-    check_tensor("a_codes", a_codes, dtype=torch.uint8, ndim=2, last_dim_contiguous=True)
-    i = 2 * a_codes.shape[1]
-    check_tensor("a_codes", a_codes, shape=[r, i // 2])
-    check_tensor("a_scales", a_scales, dtype=(torch.uint8, torch.float8_e4m3fn), shape=[r, i // 16],
-                 last_dim_contiguous=True)
-    w_sf, _, h, _ = _check_bank("w2", w2_codes, w2_scales, w2_dec, None, i)
-    check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=[r // max(align.top_k, 1), align.top_k])
-    rows = r if deterministic else r // max(align.top_k, 1)
-    check_tensor("out", out, dtype=torch.float32, shape=[rows, h], last_dim_contiguous=True)
+    w_sf, h, i, r = check_down_inputs(a_codes, a_scales, w2_codes, w2_scales, w2_dec, topk_weights, align, out,
+                                      deterministic)
     a2 = _check_enc("a2_enc", a2_enc)
     if r == 0:
         return out

@@ -210,17 +210,11 @@ def moe_quant_input(x, a13_enc):
     return quantize_act_nvfp4(x, _check_enc("a13_enc", a13_enc))
 
 
-def moe_w4a4_gate_up(
-    a_codes, a_scales, w13_codes, w13_scales, w13_dec, a13_enc, a2_enc, align: MoeAlignment, *,
-    activation: str = "silu", decode: bool = False, block_n: int = 64, block_k: int = 128, group_m: int = 8,
-    num_warps: int = 4, num_stages: int = 3, out_codes=None, out_scales=None, native_e4m3: bool | None = None,
-):
-    """NVFP4 intermediate per route: ``quant_a2(act(gate) * up)`` → ``(codes [R, I/2] u8, scales [R, I/16] u8)``.
+def check_gate_up_inputs(a_codes, a_scales, w13_codes, w13_scales, w13_dec, align, activation, out_codes,
+                         out_scales):
+    """The W4A4 gate_up launchers' argument checks (Triton and Gluon); allocates the FP4 intermediate if not given.
 
-    ``a_codes``/``a_scales``: the layer input quantized with ``a13_enc`` (:func:`moe_quant_input`), one row per
-    token.  Rows of routes that no local expert takes are left unwritten.  ``native_e4m3``: round the block
-    scales with the fp32 → e4m3 convert (sm_89+; default on CUDA) instead of integer arithmetic (the
-    interpreter's cast is not round-to-nearest-even); both are exact.
+    Returns ``(w13 scales as e4m3, H, I, routes, out_codes, out_scales)``.
     """
     import torch
 
@@ -236,9 +230,6 @@ def moe_w4a4_gate_up(
         raise ValueError(f"w13_codes: 2I = {two_i} rows must be gate and up halves of I % 16 == 0")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-    if block_k < 64 or block_k % 64 or block_n % 16:
-        raise ValueError(f"moe_w4a4_gate_up: block_k ({block_k}) must be a multiple of 64 (dot_scaled K >= 64) "
-                         f"and block_n ({block_n}) a multiple of 16")
     i, r = two_i // 2, align.num_routes
     if r != t * align.top_k:
         raise ValueError(f"align: built for {r} routes, a_codes has {t} tokens x top_k {align.top_k}")
@@ -248,6 +239,47 @@ def moe_w4a4_gate_up(
         out_scales = torch.empty((r, i // 16), dtype=torch.uint8, device=a_codes.device)
     check_tensor("out_codes", out_codes, dtype=torch.uint8, shape=[r, i // 2], last_dim_contiguous=True)
     check_tensor("out_scales", out_scales, dtype=torch.uint8, shape=[r, i // 16], last_dim_contiguous=True)
+    return w_sf, h, i, r, out_codes, out_scales
+
+
+def check_down_inputs(a_codes, a_scales, w2_codes, w2_scales, w2_dec, topk_weights, align, out, deterministic):
+    """The W4A4 down launchers' argument checks (Triton and Gluon): ``(w2 scales as e4m3, H, I, routes)``."""
+    import torch
+
+    from ..format.checks import check_tensor
+
+    r = align.num_routes
+    check_tensor("a_codes", a_codes, dtype=torch.uint8, ndim=2, last_dim_contiguous=True)
+    i = 2 * a_codes.shape[1]
+    check_tensor("a_codes", a_codes, shape=[r, i // 2])
+    check_tensor("a_scales", a_scales, dtype=(torch.uint8, torch.float8_e4m3fn), shape=[r, i // 16],
+                 last_dim_contiguous=True)
+    w_sf, _, h, _ = _check_bank("w2", w2_codes, w2_scales, w2_dec, None, i)
+    check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=[r // max(align.top_k, 1), align.top_k])
+    rows = r if deterministic else r // max(align.top_k, 1)
+    check_tensor("out", out, dtype=torch.float32, shape=[rows, h], last_dim_contiguous=True)
+    return w_sf, h, i, r
+
+
+def moe_w4a4_gate_up(
+    a_codes, a_scales, w13_codes, w13_scales, w13_dec, a13_enc, a2_enc, align: MoeAlignment, *,
+    activation: str = "silu", decode: bool = False, block_n: int = 64, block_k: int = 128, group_m: int = 8,
+    num_warps: int = 4, num_stages: int = 3, out_codes=None, out_scales=None, native_e4m3: bool | None = None,
+):
+    """NVFP4 intermediate per route: ``quant_a2(act(gate) * up)`` → ``(codes [R, I/2] u8, scales [R, I/16] u8)``.
+
+    ``a_codes``/``a_scales``: the layer input quantized with ``a13_enc`` (:func:`moe_quant_input`), one row per
+    token.  Rows of routes that no local expert takes are left unwritten.  ``native_e4m3``: round the block
+    scales with the fp32 → e4m3 convert (sm_89+; default on CUDA) instead of integer arithmetic (the
+    interpreter's cast is not round-to-nearest-even); both are exact.
+    """
+    import torch
+
+    if block_k < 64 or block_k % 64 or block_n % 16:
+        raise ValueError(f"moe_w4a4_gate_up: block_k ({block_k}) must be a multiple of 64 (dot_scaled K >= 64) "
+                         f"and block_n ({block_n}) a multiple of 16")
+    w_sf, h, i, r, out_codes, out_scales = check_gate_up_inputs(
+        a_codes, a_scales, w13_codes, w13_scales, w13_dec, align, activation, out_codes, out_scales)
     if r == 0:
         return out_codes, out_scales
     if native_e4m3 is None:
@@ -278,20 +310,10 @@ def moe_w4a4_down(
     """
     import torch
 
-    from ..format.checks import check_tensor
-
-    r = align.num_routes
-    check_tensor("a_codes", a_codes, dtype=torch.uint8, ndim=2, last_dim_contiguous=True)
-    i = 2 * a_codes.shape[1]
-    check_tensor("a_codes", a_codes, shape=[r, i // 2])
-    check_tensor("a_scales", a_scales, dtype=(torch.uint8, torch.float8_e4m3fn), shape=[r, i // 16],
-                 last_dim_contiguous=True)
-    w_sf, _, h, _ = _check_bank("w2", w2_codes, w2_scales, w2_dec, None, i)
     if block_k < 64 or block_k % 64:
         raise ValueError(f"moe_w4a4_down: block_k ({block_k}) must be a multiple of 64 (dot_scaled K >= 64)")
-    check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=[r // max(align.top_k, 1), align.top_k])
-    rows = r if deterministic else r // max(align.top_k, 1)
-    check_tensor("out", out, dtype=torch.float32, shape=[rows, h], last_dim_contiguous=True)
+    w_sf, h, i, r = check_down_inputs(a_codes, a_scales, w2_codes, w2_scales, w2_dec, topk_weights, align, out,
+                                      deterministic)
     if r == 0:
         return out
     grid = (align.max_blocks * triton.cdiv(h, block_n),)
