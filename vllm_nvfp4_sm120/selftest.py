@@ -374,12 +374,10 @@ def _gpu_gluon_mma_scaled() -> str:
 def _gpu_gluon_moe() -> str:
     dev = _need_cuda()
     flow = _landed("dispatch.moe_flow", "nvfp4_moe", "plan_for")
-    g4 = _landed("kernels.gluon_moe_w4a4", "gluon_moe_w4a4_gate_up", "gluon_moe_w4a4_down")
-    from .dispatch.moe import as_gluon_w4a16
+    _landed("kernels.gluon_moe_w4a4", "gluon_moe_w4a4_gate_up", "gluon_moe_w4a4_down")
+    from .dispatch.moe import as_gluon
     from .format import make_moe_bank, moe_ref, topk_route
-    from .kernels.act_quant import quantize_act_nvfp4
     from .kernels.gluon_compat import ENV_DISABLE, gluon_enabled
-    from .kernels.moe_align import moe_align, moe_sum
 
     if not gluon_enabled():
         raise Skip(f"Gluon kernels are off (Triton without Gluon >= 3.6, or {ENV_DISABLE}=1)")
@@ -396,25 +394,22 @@ def _gpu_gluon_moe() -> str:
         x, w13.codes, w13.scales, w13_dec, w2.codes, w2.scales, w2_dec, weights, ids)]
     done = []
 
-    plan = as_gluon_w4a16(flow.plan_for(xd, c13, c2, idd, w4a4=False))
+    plan = as_gluon(flow.plan_for(xd, c13, c2, idd, w4a4=False), i)
     out = flow.nvfp4_moe(xd, c13, s13, d13, c2, s2, d2, wd, idd, plan=plan)
     ref = moe_ref(x, w13, w13_dec, w2, w2_dec, weights, ids)
     torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=1e-2, atol=1e-2)
     done.append(f"W4A16 {plan.tier}")
 
-    # W4A4: the same steps as dispatch.moe_flow, with the Gluon GEMMs (not routed by the dispatch yet).
+    # W4A4: the plan the sm_120 dispatch routes to at this size (BLOCK_M 64, persistent, down GEMM with separate
+    # epilogue warps since I < 1024).
     a13_enc, a2_enc = a13.enc.reshape(1).to(dev), a2.enc.reshape(1).to(dev)
-    align = moe_align(idd, e, 64)
-    a_codes, a_scales = quantize_act_nvfp4(xd, a13_enc)
-    i_codes, i_scales = g4.gluon_moe_w4a4_gate_up(a_codes, a_scales, c13, s13, d13, a13_enc, a2_enc, align)
-    acc = torch.zeros(t, h, dtype=torch.float32, device=dev)
-    g4.gluon_moe_w4a4_down(i_codes, i_scales, c2, s2, d2, a2_enc, wd, align, acc)
-    out = moe_sum(acc, 1, torch.empty(t, h, dtype=torch.bfloat16, device=dev))
+    plan = as_gluon(flow.plan_for(xd, c13, c2, idd, w4a4=True), i)
+    out = flow.nvfp4_moe(xd, c13, s13, d13, c2, s2, d2, wd, idd, a13_enc=a13_enc, a2_enc=a2_enc, plan=plan)
     ref = moe_ref(x, w13, w13_dec, w2, w2_dec, weights, ids, a13_gs=a13, a2_gs=a2)
     # The intermediate is re-quantized: a few e2m1 codes may round the other way (fp32 order differs).
     torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=5e-2, atol=5e-2)
     native = torch.cuda.get_device_capability()[0] == 12
-    done.append(f"W4A4 BLOCK_M 64 ({'native OMMA' if native else 'exact decode + bf16 MMA'})")
+    done.append(f"W4A4 {plan.tier} ({'native OMMA' if native else 'exact decode + bf16 MMA'})")
     return f"T={t}, E={e}, H={h}, I={i}: " + ", ".join(done)
 
 

@@ -137,6 +137,34 @@ def test_dispatch_tiers():
     assert all(p.kernel in ("w4a16", "w4a4") for cap in (None, (9, 0), (12, 0)) for p in all_moe_plans(cap))
 
 
+@pytest.mark.parametrize("w4a4", [False, True], ids=["w4a16", "w4a4"])
+def test_dispatch_gluon_on_sm120(w4a4, monkeypatch):
+    from vllm_nvfp4_sm120.kernels.gluon_compat import ENV_DISABLE, HAS_GLUON
+
+    def plan(t, cap=(12, 0), i=768):
+        return select_moe_plan(cap, num_tokens=t, top_k=8, global_experts=128, hidden=2048, intermediate=i,
+                               w4a4=w4a4)
+
+    if not HAS_GLUON:
+        pytest.skip("no Gluon in this Triton")
+    monkeypatch.delenv(ENV_DISABLE, raising=False)
+    p64, p128 = plan(1024), plan(8192)  # 64 and 512 routes per expert
+    assert (p64.block_m, p64.backend, p128.block_m, p128.backend) == (64, "gluon", 128, "gluon")
+    assert p64.kernel == p128.kernel == ("w4a4" if w4a4 else "w4a16")
+    assert p64.gate_up.persistent and p64.down.persistent and not p128.gate_up.persistent
+    assert p64.gate_up_kwargs()["persistent"] and not p128.down_kwargs()["persistent"]
+    # The persistent W4A4 down GEMM below I = 1024: separate epilogue warps; from 1024 on, and at BLOCK_M 128, not.
+    assert bool(p64.down.epilogue_warps) == w4a4 and ("epilogue_warps" in p64.down_kwargs()) == w4a4
+    assert "epilogue_warps" not in p64.gate_up_kwargs() and p128.down.epilogue_warps == 0
+    assert plan(1024, i=1024).down.epilogue_warps == 0 and plan(1024, i=1024).down.persistent
+    if w4a4:  # the launcher picks native block-scaled MMA on sm_120, the exact emulation elsewhere
+        assert p128.gate_up_kwargs()["decode"] is None and p128.down_kwargs()["decode"] is None
+    # Triton below BLOCK_M 64, on other GPUs, and with the switch off.
+    assert plan(128).backend == "triton" and plan(8192, cap=(9, 0)).backend == "triton"
+    monkeypatch.setenv(ENV_DISABLE, "1")
+    assert plan(8192).backend == "triton" and plan(8192).down.epilogue_warps == 0
+
+
 def test_bad_input_is_named(gen):
     w13, d13, w2, d2 = make_layer(2, 64, 32, gen)
     x = torch.randn(2, 64, generator=gen).half()

@@ -67,12 +67,13 @@ def test_dispatch_gluon_tiles_are_the_compiled_ones():
     from vllm_nvfp4_sm120.dispatch.moe import all_moe_plans
 
     compiled = set(W4A16_TILES.values())
-    gluon = [p for p in all_moe_plans((12, 0)) if p.backend == "gluon"]
+    gluon = [p for p in all_moe_plans((12, 0)) if p.backend == "gluon" and p.kernel == "w4a16"]
     assert {p.block_m for p in gluon} == {64, 128}
     for p in gluon:
         assert p.gate_up.block_k == p.down.block_k and p.gate_up.num_warps == p.down.num_warps
         key = (p.block_m, p.gate_up.block_n, p.down.block_n, p.gate_up.block_k, p.gate_up.num_warps,
-               p.gate_up.num_stages, p.persistent)
+               p.gate_up.num_stages, p.gate_up.persistent)
+        assert p.down.persistent == p.gate_up.persistent and not p.down.epilogue_warps
         assert key in compiled, key
 
 

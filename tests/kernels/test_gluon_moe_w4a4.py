@@ -24,12 +24,13 @@ from vllm_nvfp4_sm120.kernels import gluon_moe_w4a4 as g4
 from vllm_nvfp4_sm120.kernels.aot import PTX_MMA_NVFP4, PTX_TMA_LOAD, SASS_OMMA_NVFP4, compile_kernel
 
 # ------------------------------------------------------------------------------------------------------------
-# Tiles: (block_m, gate_up block_n, down block_n, block_k, mma warps, stages, persistent)
+# Tiles: (block_m, gate_up block_n, down block_n, block_k, mma warps, stages, persistent, down epilogue warps)
 # ------------------------------------------------------------------------------------------------------------
 W4A4_TILES = {
-    "bm64": (64, 64, 64, 128, 4, 3, False),
-    "bm64-persistent": (64, 64, 64, 128, 4, 3, True),
-    "bm128": (128, 64, 64, 128, 8, 3, False),
+    "bm64": (64, 64, 64, 128, 4, 3, False, 0),
+    "bm64-persistent": (64, 64, 64, 128, 4, 3, True, 0),
+    "bm64-persistent-epi": (64, 64, 64, 128, 4, 3, True, g4.EPILOGUE_WARPS),
+    "bm128": (128, 64, 64, 128, 8, 3, False, 0),
 }
 W4A4_KERNEL = "vllm_nvfp4_sm120.kernels.gluon_moe_w4a4:_gluon_moe_w4a4_kernel"
 
@@ -37,10 +38,10 @@ W4A4_KERNEL = "vllm_nvfp4_sm120.kernels.gluon_moe_w4a4:_gluon_moe_w4a4_kernel"
 @functools.cache
 def _compile(gated: bool, use_tma: bool, tile: str, decode: bool = False, arch: int = 120,
              activation: str = "silu", deterministic: bool = False):
-    bm, bn_gu, bn_dn, bk, warps, stages, persistent = W4A4_TILES[tile]
+    bm, bn_gu, bn_dn, bk, warps, stages, persistent, epi = W4A4_TILES[tile]
     bn = bn_gu if gated else bn_dn
     consts = dict(GATED=gated, ACTIVATION=activation, DETERMINISTIC=deterministic, USE_TMA=use_tma, DECODE=decode,
-                  PERSISTENT=persistent, STAGES=stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                  PERSISTENT=persistent, EPILOGUE_WARPS=0 if gated else epi, STAGES=stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                   MMA_WARPS_M=warps // 2)
     rep = compile_kernel(W4A4_KERNEL, g4.signature(gated, use_tma, bn, bk), consts, divisible=g4.divisible(use_tma),
                          gluon=True, num_warps=warps, arch=arch)
@@ -56,6 +57,8 @@ def _compile(gated: bool, use_tma: bool, tile: str, decode: bool = False, arch: 
 def test_w4a4_compiles_for_sm120(tile, gated, use_tma):
     if not use_tma and (tile != "bm64" or not gated):
         pytest.skip("pointer-load weight codes: one kernel and tile is enough (they serve small odd shapes)")
+    if gated and W4A4_TILES[tile][-1]:
+        pytest.skip("epilogue warps are a down-GEMM variant: the gate_up kernel of this tile is bm64-persistent's")
     # One compile per kernel and tile: GELU rides on the pointer-load kernel, the deterministic per-route store
     # on the persistent down GEMM (the others use atomics).
     rep = _compile(gated, use_tma, tile, activation="silu" if use_tma else "gelu_tanh",
@@ -69,6 +72,24 @@ def test_w4a4_compiles_for_sm120(tile, gated, use_tma):
         rep.require_ptx(PTX_TMA_LOAD)
     else:
         assert not rep.has_ptx(PTX_TMA_LOAD)
+    # mma + loader (+ epilogue) warps, padded to whole warpgroups (setmaxnreg works per warpgroup).
+    mma_warps, epi = W4A4_TILES[tile][4], W4A4_TILES[tile][-1]
+    assert rep.num_warps == -(-(mma_warps + g4.LOADER_WARPS + (0 if gated else epi)) // 4) * 4
+
+
+def test_dispatch_gluon_tiles_are_the_compiled_ones():
+    from vllm_nvfp4_sm120.dispatch.moe import all_moe_plans
+
+    compiled = set(W4A4_TILES.values())
+    gluon = [p for p in all_moe_plans((12, 0)) if p.backend == "gluon" and p.kernel == "w4a4"]
+    assert {p.block_m for p in gluon} == {64, 128}
+    assert {p.down.epilogue_warps for p in gluon} == {0, g4.EPILOGUE_WARPS}  # both sides of the I rule
+    for p in gluon:
+        assert p.gate_up.block_k == p.down.block_k and p.gate_up.num_warps == p.down.num_warps
+        for tile, gated in ((p.gate_up, True), (p.down, False)):
+            key = (p.block_m, p.gate_up.block_n, p.down.block_n, tile.block_k, tile.num_warps, tile.num_stages,
+                   tile.persistent, tile.epilogue_warps)
+            assert key in compiled, (key, "gate_up" if gated else "down")
 
 
 @pytest.mark.compile
@@ -110,6 +131,11 @@ def test_w4a4_launcher_checks():
     w2s = torch.zeros(e, h, i // 16, dtype=torch.float8_e4m3fn)
     out = torch.zeros(0, h)
     assert g4.gluon_moe_w4a4_down(ic, isf, w2, w2s, dec, enc, torch.zeros(0, k), empty, out) is out
+    # Epilogue warps: a persistent down GEMM feature.
+    ic, isf = torch.zeros(t * k, i // 2, dtype=torch.uint8), torch.zeros(t * k, i // 16, dtype=torch.float8_e4m3fn)
+    for kw in (dict(epilogue_warps=4), dict(epilogue_warps=2, persistent=True)):
+        with pytest.raises(ValueError, match="epilogue_warps"):
+            g4.gluon_moe_w4a4_down(ic, isf, w2, w2s, dec, enc, torch.zeros(t, k), align, torch.zeros(t, h), **kw)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -184,7 +210,7 @@ def _check_layer(name, t, skewed, tile, *, activation="silu", use_tma=None, x_pa
     from vllm_nvfp4_sm120.kernels.moe_w4a4 import moe_quant_input
 
     h, i, e, k, w13, d13, w2, d2 = _layer(name)
-    bm, bn_gu, bn_dn, bk, warps, stages, persistent = W4A4_TILES[tile]
+    bm, bn_gu, bn_dn, bk, warps, stages, persistent, epi = W4A4_TILES[tile]
     kw = dict(block_k=bk, num_warps=warps, num_stages=stages, persistent=persistent, decode=True, use_tma=use_tma)
     # Row-strided input when x_pad: the quantizer reads it, the GEMMs read its (contiguous) codes.
     x = torch.randn(t, h + x_pad, device="cuda", dtype=torch.bfloat16)[:, :h]
@@ -203,10 +229,10 @@ def _check_layer(name, t, skewed, tile, *, activation="silu", use_tma=None, x_pa
     assert ic.shape == (t * k, i // 2) and isf.shape == (t * k, i // 16)
     out = torch.zeros(t, h, device="cuda")
     g4.gluon_moe_w4a4_down(ic, isf, w2.codes, w2.scales, d2, a2.enc.reshape(1), tw, align, out, block_n=bn_dn,
-                           **kw)
+                           epilogue_warps=epi, **kw)
     det = torch.zeros(t * k, h, device="cuda")
     g4.gluon_moe_w4a4_down(ic, isf, w2.codes, w2.scales, d2, a2.enc.reshape(1), tw, align, det, deterministic=True,
-                           block_n=bn_dn, **kw)
+                           block_n=bn_dn, epilogue_warps=epi, **kw)
     if t == 0:
         return
 
@@ -240,7 +266,7 @@ def test_w4a4_layer_decode(name, t, skewed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", ["bm64-persistent", "bm128"])
+@pytest.mark.parametrize("tile", ["bm64-persistent", "bm64-persistent-epi", "bm128"])
 def test_w4a4_tiles_decode(tile):
     # The persistent ring across tiles and the 8-warp tile, skewed (many row blocks per expert), row-strided x.
     _check_layer("qwen3-30b-a3b", 512, True, tile, x_pad=64)
@@ -250,3 +276,37 @@ def test_w4a4_tiles_decode(tile):
 def test_w4a4_pointer_loader_gelu_decode():
     # The pointer-load weight path on the TMA-able shape, with GELU.
     _check_layer("qwen3-30b-a3b", 64, False, "bm64", activation="gelu_tanh", use_tma=False)
+
+
+@pytest.mark.gpu
+def test_w4a4_gluon_plan_through_the_flow():
+    # The dispatch's sm_120 plan at 64 routes per expert (persistent BLOCK_M 64, down GEMM with epilogue warps since
+    # I < 1024) run by the layer flow, bitwise equal (deterministic sum) to the launchers called by hand without
+    # epilogue warps -- which the tests above check against the references.
+    from vllm_nvfp4_sm120.dispatch.moe import as_gluon
+    from vllm_nvfp4_sm120.dispatch.moe_flow import nvfp4_moe, plan_for
+    from vllm_nvfp4_sm120.format import GlobalScale
+    from vllm_nvfp4_sm120.kernels.moe_align import moe_align, moe_sum
+    from vllm_nvfp4_sm120.kernels.moe_w4a4 import moe_quant_input
+
+    h, i, e, k, w13, d13, w2, d2 = _layer("qwen3-30b-a3b")
+    t = 1024
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    tw, ti = _routing(t, e, k, False)
+    a13, a2 = GlobalScale.of(x).to("cuda"), GlobalScale.from_amax(24.0).to("cuda")
+    a13_enc, a2_enc = a13.enc.reshape(1), a2.enc.reshape(1)
+    plan = as_gluon(plan_for(x, w13.codes, w2.codes, ti, w4a4=True), i)
+    assert (plan.kernel, plan.block_m, plan.down.persistent, plan.down.epilogue_warps) == (
+        "w4a4", 64, True, g4.EPILOGUE_WARPS)
+    out = nvfp4_moe(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, a13_enc=a13_enc,
+                    a2_enc=a2_enc, deterministic=True, plan=plan)
+
+    kw = dict(block_k=128, num_warps=4, num_stages=3, persistent=True, decode=True)
+    align = moe_align(ti, e, 64)
+    ac, asf = moe_quant_input(x, a13_enc)
+    ic, isf = g4.gluon_moe_w4a4_gate_up(ac, asf, w13.codes, w13.scales, d13, a13_enc, a2_enc, align, block_n=64,
+                                        **kw)
+    det = torch.zeros(t * k, h, device="cuda")
+    g4.gluon_moe_w4a4_down(ic, isf, w2.codes, w2.scales, d2, a2_enc, tw, align, det, deterministic=True,
+                           block_n=64, **kw)
+    torch.testing.assert_close(out, moe_sum(det, k, torch.empty_like(x)), atol=0, rtol=0)

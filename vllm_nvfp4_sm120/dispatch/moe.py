@@ -13,9 +13,10 @@ Everything the kernels leave open is decided here; ``dispatch/moe_flow.py`` only
 * **Switches**: ``fast_decode`` (inline-PTX e2m1 decode, any CUDA GPU), ``use_tma`` (TMA weight loads on sm_90
   and sm_120 when that GEMM's K % 256 == 0), ``decode`` (W4A4 without the native FP4 MMA: GPUs before sm_90
   and the interpreter; sm_90 runs ``dot_scaled`` through Triton's exact emulation), ``stream_weights``.
-* **Backend**: on sm_120 the BLOCK_M 64 / 128 W4A16 tiers run the warp-specialized Gluon GEMM
-  (``kernels/gluon_moe_w4a16.py``; BLOCK_M 64 persistent with a third stage) unless
-  ``VLLM_NVFP4_SM120_DISABLE_GLUON=1``; everything else is Triton.
+* **Backend**: on sm_120 the BLOCK_M 64 / 128 tiers run the warp-specialized Gluon GEMMs
+  (``kernels/gluon_moe_w4a16.py``, ``kernels/gluon_moe_w4a4.py``; BLOCK_M 64 persistent, and there the W4A4 down
+  GEMM below I = 1024 with separate epilogue warps) unless ``VLLM_NVFP4_SM120_DISABLE_GLUON=1``; everything else
+  is Triton.
 
 Tiles are compile-checked for sm_120 (no local memory, shared memory <= 99 KB) by ``tests/kernels/test_moe_compile.py``
 over :func:`all_moe_plans`.
@@ -41,12 +42,18 @@ class GemmTile:
     num_stages: int
     group_m: int = 8
     use_tma: bool = False  # W4A16 only
+    persistent: bool = False  # Gluon only
+    epilogue_warps: int = 0  # Gluon W4A4 down GEMM only (persistent)
 
-    def kwargs(self, kernel: str) -> dict:
+    def kwargs(self, kernel: str, backend: str) -> dict:
         kw = dict(block_n=self.block_n, block_k=self.block_k, num_warps=self.num_warps,
                   num_stages=self.num_stages, group_m=self.group_m)
         if kernel == "w4a16":
             kw["use_tma"] = self.use_tma
+        if backend == "gluon":
+            kw["persistent"] = self.persistent
+            if self.epilogue_warps:
+                kw["epilogue_warps"] = self.epilogue_warps
         return kw
 
 
@@ -60,7 +67,6 @@ class MoePlan:
     decode: bool = False  # W4A4: exact self-decode + fp16 MMA instead of dot_scaled
     stream_weights: bool = False  # W4A16: weights evict-first
     backend: str = "triton"
-    persistent: bool = False
     tier: str = ""
 
     def gate_up_kwargs(self) -> dict:
@@ -70,11 +76,12 @@ class MoePlan:
         return self._kwargs(self.down)
 
     def _kwargs(self, tile: GemmTile) -> dict:
-        kw = tile.kwargs(self.kernel)
+        kw = tile.kwargs(self.kernel, self.backend)
         if self.kernel == "w4a16":
             kw.update(fast_decode=self.fast_decode, stream_weights=self.stream_weights)
-            if self.backend == "gluon":
-                kw.update(persistent=self.persistent)
+        elif self.backend == "gluon":
+            # None: the block-scaled MMA on sm_120, its exact emulation elsewhere (the H200 benchmarks).
+            kw.update(decode=None)
         else:
             kw.update(decode=self.decode)
         return kw
@@ -124,12 +131,27 @@ _W4A4_TIERS = {
 }
 
 
-# sm_120 W4A16 tiers served by the Gluon GEMM: block_m → (gate_up tile, down tile, persistent).  The Gluon kernel's
-# BLOCK_K is 64 (its only compile-checked value); 12 / 16 warps in all (1 TMA loader + 4 decode + 4 / 8 MMA warps).
-_GLUON_W4A16_SM120 = {
-    64: (GemmTile(64, 64, 4, 3), GemmTile(128, 64, 4, 3), True),
-    128: (GemmTile(64, 64, 8, 2), GemmTile(128, 64, 8, 2), False),
+# sm_120 tiers served by the warp-specialized Gluon GEMMs: block_m → (gate_up tile, down tile).  BLOCK_M 64 runs
+# persistently (the ring runs on across tiles; W4A16 with a third stage).  Every tile here is compile-checked for
+# sm_120 in tests/kernels/test_gluon_moe*.py, which assert that these are the compiled ones.
+_GLUON_SM120 = {
+    # W4A16: BLOCK_K 64 (its only compiled value); 1 TMA loader + 4 decode + 4 / 8 MMA warps.
+    "w4a16": {
+        64: (GemmTile(64, 64, 4, 3, persistent=True), GemmTile(128, 64, 4, 3, persistent=True)),
+        128: (GemmTile(64, 64, 8, 2), GemmTile(128, 64, 8, 2)),
+    },
+    # W4A4: BLOCK_K 128 (two 64-wide block-scaled MMA steps per slot); 1 loader + 4 / 8 MMA warps.
+    "w4a4": {
+        64: (GemmTile(64, 128, 4, 3, persistent=True), GemmTile(64, 128, 4, 3, persistent=True)),
+        128: (GemmTile(64, 128, 8, 3), GemmTile(64, 128, 8, 3)),
+    },
 }
+# Below this I the W4A4 down GEMM's K loop is a few 128-wide steps, so its epilogue (routing weight, fp32 atomics
+# of a whole tile) is a large share of each tile: the persistent (BLOCK_M 64) down GEMM then gets a separate
+# epilogue partition that drains one tile while the mma warps compute the next.  Not at BLOCK_M 128: 8 mma + 1 + 4
+# warps make 16 with at most 128 registers each on average, and the mma warps spill (compiled for sm_120).
+GLUON_DOWN_EPILOGUE_MAX_I = 1024
+GLUON_EPILOGUE_WARPS = 4
 
 
 def arch_family(capability: tuple[int, int] | None) -> str:
@@ -176,19 +198,22 @@ def select_moe_plan(
         tier=f"{fam}/{kernel}/{i}",
     )
     if fam == "sm120" and gluon_enabled():
-        return as_gluon_w4a16(plan) or plan
+        return as_gluon(plan, intermediate) or plan
     return plan
 
 
-def as_gluon_w4a16(plan: MoePlan) -> MoePlan | None:
-    """``plan`` on the Gluon W4A16 GEMM with its sm_120 tile, keeping BLOCK_M and the TMA choices; ``None`` when
-    the Gluon GEMM has no tile for it (W4A4, BLOCK_M 16 / 32).  The benchmarks also use it on the H200."""
-    if plan.kernel != "w4a16" or plan.block_m not in _GLUON_W4A16_SM120:
+def as_gluon(plan: MoePlan, intermediate: int) -> MoePlan | None:
+    """``plan`` on the Gluon GEMMs with their sm_120 tiles, keeping BLOCK_M and the TMA choices; ``None`` when
+    Gluon has no tile for it (BLOCK_M 16 / 32).  The benchmarks also use it on the H200."""
+    tiles = _GLUON_SM120[plan.kernel]
+    if plan.block_m not in tiles:
         return None
-    gate_up, down, persistent = _GLUON_W4A16_SM120[plan.block_m]
+    gate_up, down = tiles[plan.block_m]
+    if plan.kernel == "w4a4" and down.persistent and intermediate < GLUON_DOWN_EPILOGUE_MAX_I:
+        down = replace(down, epilogue_warps=GLUON_EPILOGUE_WARPS)
     return replace(
         plan, gate_up=replace(gate_up, use_tma=plan.gate_up.use_tma), down=replace(down, use_tma=plan.down.use_tma),
-        backend="gluon", persistent=persistent, tier=plan.tier + "/gluon",
+        backend="gluon", tier=plan.tier + "/gluon",
     )
 
 
@@ -203,13 +228,16 @@ def all_moe_plans(capability: tuple[int, int] | None) -> list[MoePlan]:
             if kernel == "w4a16" and fam != "other":
                 tma_choices = [(a, b) for a in (False, True) for b in (False, True)]
             for tma_gu, tma_dn in tma_choices:
-                plans.append(MoePlan(
+                plan = MoePlan(
                     kernel=kernel, block_m=block_m,
                     gate_up=replace(gate_up, use_tma=tma_gu), down=replace(down, use_tma=tma_dn),
                     fast_decode=gpu, decode=fam == "other",
                     stream_weights=kernel == "w4a16" and block_m == 16, tier=f"{fam}/{kernel}/{i}",
-                ))
-                gluon = as_gluon_w4a16(plans[-1]) if fam == "sm120" else None
-                if gluon is not None:
-                    plans.append(gluon)
+                )
+                plans.append(plan)
+                if fam == "sm120":  # both sides of the epilogue-warps rule
+                    for inter in (GLUON_DOWN_EPILOGUE_MAX_I // 2, GLUON_DOWN_EPILOGUE_MAX_I):
+                        gluon = as_gluon(plan, inter)
+                        if gluon is not None and gluon not in plans:
+                            plans.append(gluon)
     return plans

@@ -91,21 +91,29 @@ def _reference(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, t
     )
 
 
-def _w4a16_kernels(backend: str):
-    """The W4A16 (gate_up, down) launchers of a backend; the Gluon ones take the Triton ones' arguments."""
-    if backend == "gluon":
+def _kernels(plan: MoePlan):
+    """The plan's (gate_up, down) launchers; the Gluon ones take the Triton ones' arguments."""
+    if plan.backend == "gluon" and plan.kernel == "w4a16":
         from ..kernels.gluon_moe_w4a16 import gluon_moe_w4a16_down, gluon_moe_w4a16_gate_up
 
         return gluon_moe_w4a16_gate_up, gluon_moe_w4a16_down
-    from ..kernels.moe_w4a16 import moe_w4a16_down, moe_w4a16_gate_up
+    if plan.backend == "gluon":
+        from ..kernels.gluon_moe_w4a4 import gluon_moe_w4a4_down, gluon_moe_w4a4_gate_up
 
-    return moe_w4a16_gate_up, moe_w4a16_down
+        return gluon_moe_w4a4_gate_up, gluon_moe_w4a4_down
+    if plan.kernel == "w4a16":
+        from ..kernels.moe_w4a16 import moe_w4a16_down, moe_w4a16_gate_up
+
+        return moe_w4a16_gate_up, moe_w4a16_down
+    from ..kernels.moe_w4a4 import moe_w4a4_down, moe_w4a4_gate_up
+
+    return moe_w4a4_gate_up, moe_w4a4_down
 
 
 def _run_kernels(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
                  a13_enc, a2_enc, expert_map, activation, deterministic, out, plan: MoePlan):
     from ..kernels.moe_align import moe_align, moe_sum
-    from ..kernels.moe_w4a4 import moe_quant_input, moe_w4a4_down, moe_w4a4_gate_up
+    from ..kernels.moe_w4a4 import moe_quant_input
 
     t, h = x.shape
     top_k = topk_ids.shape[1]
@@ -117,8 +125,8 @@ def _run_kernels(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec,
     # 1. Align routes to experts: sorted route ids padded per expert to BLOCK_M rows.
     align = moe_align(topk_ids, w13_codes.shape[0], plan.block_m, expert_map=expert_map)
 
+    gate_up, down = _kernels(plan)
     if plan.kernel == "w4a16":
-        gate_up, down = _w4a16_kernels(plan.backend)
         # 2-3. gate_up GEMM with the gated activation in its epilogue → intermediate [T * top_k, I].
         inter = gate_up(x, w13_codes, w13_scales, w13_dec, align, activation=activation, **plan.gate_up_kwargs())
         # 4. down GEMM, routing weight in its epilogue, summed over the top-k routes.
@@ -127,10 +135,10 @@ def _run_kernels(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec,
     else:
         # 2-3. Quantize the input, then gate_up GEMM with activation + NVFP4 quantization in its epilogue.
         a_codes, a_scales = moe_quant_input(x, a13_enc)
-        i_codes, i_scales = moe_w4a4_gate_up(a_codes, a_scales, w13_codes, w13_scales, w13_dec, a13_enc, a2_enc,
+        i_codes, i_scales = gate_up(a_codes, a_scales, w13_codes, w13_scales, w13_dec, a13_enc, a2_enc,
                                              align, activation=activation, **plan.gate_up_kwargs())
         # 4. down GEMM on the FP4 intermediate, routing weight in its epilogue, summed over the top-k routes.
-        moe_w4a4_down(i_codes, i_scales, w2_codes, w2_scales, w2_dec, a2_enc, topk_weights, align, acc,
+        down(i_codes, i_scales, w2_codes, w2_scales, w2_dec, a2_enc, topk_weights, align, acc,
                       deterministic=deterministic, **plan.down_kwargs())
 
     # 5. fp32 sum → x.dtype (slot order in deterministic mode).

@@ -19,6 +19,11 @@ the gate_up input is the layer input quantized once per token with ``a13_enc``
                                    codes ``[R, I/2]`` + scales ``[R, I/16]``; down: ``alpha = w2_dec[e] / a2_enc``,
                                    × routing weight → fp32 atomics into ``[T, H]`` or the deterministic per-route
                                    ``[R, H]``).                                                empty → loader
+  epilogue (``EPILOGUE_WARPS``,    persistent down GEMM only (the dispatch uses it below I = 1024, where the K
+            optional)              loop is a few steps and the epilogue's atomics are a large share of a tile):
+                                   the mma warps park the fp32 accumulator in shared memory (acc_ready) and go on
+                                   with the next tile; these warps load it, release the buffer (acc_empty), then
+                                   apply alpha and the routing weight and issue the atomics.
 
 ``DECODE``: instead of the block-scaled MMA, the mma warps decode both operands exactly (e2m1 × e4m3 → bf16:
 at most 6 significant bits, exact; the portable lop3/prmt table of :data:`.gluon_gemv.E2M1_ASM`) and run bf16
@@ -28,7 +33,7 @@ sm_90); it is an emulation, not representative for speed.
 Every arrive that publishes or releases a slot follows a ``gl.barrier()``; producers wait on "empty" with the
 inverted phase, so the first lap passes.  ``PERSISTENT``: ``min(#SMs, tiles)`` programs walk the live tiles, the
 ring running on across tiles (the loader fetches the next tile during the epilogue).  Register budget
-(``setmaxnreg``): the loader keeps ``LOADER_REGS``, the mma warps get the rest.  BLOCK_K is 128 (two 64-element
+(``setmaxnreg``): the loader keeps ``LOADER_REGS``, the epilogue warps ``EPILOGUE_REGS``, the mma warps the rest.  BLOCK_K is 128 (two 64-element
 block-scaled MMA steps per slot; rows of 64 code bytes).
 """
 
@@ -46,6 +51,8 @@ from .moe_w4a16 import gated_activation_f32
 LOADER_WARPS = 1
 LOADER_REGS = 96  # the activation gather (always pointer loads) in 32-row chunks, plus a few scalars
 LOADER_REGS_PTR = 112  # also the weight codes by pointer loads
+EPILOGUE_WARPS = 4  # the persistent down GEMM's separate epilogue partition
+EPILOGUE_REGS = 128  # a [64, 64] fp32 tile over 4 warps (32 values per thread) with its addresses
 ROW_CHUNK = 32  # rows per pointer-load chunk in the loader: 2 KB of codes per warp-wide load
 SMEM_LIMIT = 99 * 1024  # aot.SM120_MAX_SMEM_BYTES
 
@@ -58,7 +65,8 @@ GLUON_MOE_W4A4_SIGNATURE = {
     "stride_am": "i32", "stride_asm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_wse": "i32",
     "stride_wsn": "i32", "stride_om": "i32", "stride_osm": "i32",
     "GATED": "constexpr", "ACTIVATION": "constexpr", "DETERMINISTIC": "constexpr", "USE_TMA": "constexpr",
-    "DECODE": "constexpr", "PERSISTENT": "constexpr", "STAGES": "constexpr", "BLOCK_M": "constexpr",
+    "DECODE": "constexpr", "PERSISTENT": "constexpr", "EPILOGUE_WARPS": "constexpr", "STAGES": "constexpr",
+    "BLOCK_M": "constexpr",
     "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "MMA_WARPS_M": "constexpr",
 }
 GLUON_MOE_W4A4_DIVISIBLE = [k for k, v in GLUON_MOE_W4A4_SIGNATURE.items() if v.startswith("*")] + [
@@ -81,10 +89,12 @@ def divisible(use_tma: bool) -> list[str]:
     return [d for d in GLUON_MOE_W4A4_DIVISIBLE if not (use_tma and d == "w_desc")]
 
 
-def smem_bytes(gated: bool, block_m: int, block_n: int, block_k: int, stages: int) -> int:
-    """Shared memory of the ring (codes + scales of both operands), without Triton's scratch and barriers."""
+def smem_bytes(gated: bool, block_m: int, block_n: int, block_k: int, stages: int, epilogue_warps: int = 0) -> int:
+    """Shared memory of the ring (codes + scales of both operands) and of the fp32 accumulator handed to the
+    epilogue warps, without Triton's scratch and barriers."""
     nb = 2 if gated else 1
-    return stages * (block_m + nb * block_n) * (block_k // 2 + block_k // 16)
+    acc = block_m * block_n * 4 if epilogue_warps else 0
+    return stages * (block_m + nb * block_n) * (block_k // 2 + block_k // 16) + acc
 
 
 if HAS_GLUON:
@@ -206,11 +216,12 @@ if HAS_GLUON:
     @gluon.jit
     def _mma_partition(
         w_dec_ptr, a_enc_ptr, q_enc_ptr, topk_w_ptr, out_ptr, out_sf_ptr, a_smem, asf_smem, w_smem, wsf_smem,
-        ready, empty, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+        ready, empty, acc_smem, acc_ready, acc_empty, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
         R, N, K, top_k, max_blocks, stride_om, stride_osm,
         GATED: gl.constexpr, ACTIVATION: gl.constexpr, DETERMINISTIC: gl.constexpr, DECODE: gl.constexpr,
-        PERSISTENT: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, MMA_WARPS_M: gl.constexpr, WARPS: gl.constexpr,
+        PERSISTENT: gl.constexpr, EPILOGUE_WARPS: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, MMA_WARPS_M: gl.constexpr,
+        WARPS: gl.constexpr,
     ):
         NB: gl.constexpr = 2 if GATED else 1
         WARPS_N: gl.constexpr = WARPS // MMA_WARPS_M
@@ -220,6 +231,7 @@ if HAS_GLUON:
         num_padded = gl.load(num_padded_ptr)
         first, end, step = _tile_range(num_padded_ptr, max_blocks, num_n, BLOCK_M, PERSISTENT)
         it = 0
+        tc = 0  # tiles handed to the epilogue warps
         for tile in range(first, end, step):
             pid_m, pid_n = _tile_coords(tile, max_blocks, num_n, PERSISTENT, GROUP_M)
             if pid_m * BLOCK_M < num_padded:
@@ -237,25 +249,70 @@ if HAS_GLUON:
                     ampere.mbarrier.arrive(empty.index(s))
                     it += 1
 
-                e = gl.load(expert_ids_ptr + pid_m)
-                # alpha as the reference forms it: weight decode x input decode (1 / enc, IEEE division).
-                alpha = gl.load(w_dec_ptr + e) * tl.div_rn(1.0, gl.load(a_enc_ptr))
                 if GATED:
+                    alpha = _alpha(w_dec_ptr, a_enc_ptr, expert_ids_ptr, pid_m)
                     _gate_up_epilogue(acc0 * alpha, acc1 * alpha, q_enc_ptr, out_ptr, out_sf_ptr, sorted_ids_ptr,
                                       pid_m, pid_n, R, N, stride_om, stride_osm, ACTIVATION, BLOCK_M, BLOCK_N, WARPS)
+                elif EPILOGUE_WARPS > 0:
+                    # Hand the raw accumulator over and start the next tile's K loop; the epilogue warps release
+                    # the buffer as soon as they hold it in registers.
+                    ampere.mbarrier.wait(acc_empty, (tc & 1) ^ 1)
+                    acc_smem.store(acc0)
+                    gl.barrier()
+                    ampere.mbarrier.arrive(acc_ready)
+                    tc += 1
                 else:
-                    route = gl.load(sorted_ids_ptr + pid_m * BLOCK_M
-                                    + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA)))
-                    row_ok = route < R
-                    cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
-                    mask = row_ok[:, None] & (cols < N)[None, :]
-                    weight = gl.load(topk_w_ptr + route, mask=row_ok, other=0.0)
-                    y = (acc0 * alpha) * weight[:, None]
-                    if DETERMINISTIC:
-                        gl.store(out_ptr + route[:, None].to(gl.int64) * stride_om + cols[None, :], y, mask=mask)
-                    else:
-                        ptrs = out_ptr + (route // top_k)[:, None].to(gl.int64) * stride_om + cols[None, :]
-                        gl.atomic_add(ptrs, y, mask=mask, sem="relaxed")
+                    _down_epilogue(acc0, w_dec_ptr, a_enc_ptr, topk_w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr,
+                                   pid_m, pid_n, R, N, top_k, stride_om, DETERMINISTIC, BLOCK_M, BLOCK_N)
+
+    @gluon.jit
+    def _alpha(w_dec_ptr, a_enc_ptr, expert_ids_ptr, pid_m):
+        # As the reference forms it: weight decode x input decode (1 / enc, IEEE division).
+        return gl.load(w_dec_ptr + gl.load(expert_ids_ptr + pid_m)) * tl.div_rn(1.0, gl.load(a_enc_ptr))
+
+    @gluon.jit
+    def _down_epilogue(acc, w_dec_ptr, a_enc_ptr, topk_w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, pid_m, pid_n,
+                       R, N, top_k, stride_om, DETERMINISTIC: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr):
+        """``routing weight x alpha x acc`` of one down tile, in ``acc``'s layout → fp32 atomics into ``[T, H]``, or
+        the route's own row of ``[R, H]`` (deterministic)."""
+        L: gl.constexpr = acc.type.layout
+        route = gl.load(sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L)))
+        row_ok = route < R
+        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, L))
+        mask = row_ok[:, None] & (cols < N)[None, :]
+        weight = gl.load(topk_w_ptr + route, mask=row_ok, other=0.0)
+        y = (acc * _alpha(w_dec_ptr, a_enc_ptr, expert_ids_ptr, pid_m)) * weight[:, None]
+        if DETERMINISTIC:
+            gl.store(out_ptr + route[:, None].to(gl.int64) * stride_om + cols[None, :], y, mask=mask)
+        else:
+            ptrs = out_ptr + (route // top_k)[:, None].to(gl.int64) * stride_om + cols[None, :]
+            gl.atomic_add(ptrs, y, mask=mask, sem="relaxed")
+
+    # ---- epilogue warps (down GEMM, EPILOGUE_WARPS > 0) -----------------------------------------------------
+    @gluon.jit
+    def _epilogue_partition(
+        w_dec_ptr, a_enc_ptr, topk_w_ptr, out_ptr, acc_smem, acc_ready, acc_empty,
+        sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, R, N, top_k, max_blocks, stride_om,
+        DETERMINISTIC: gl.constexpr, PERSISTENT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        GROUP_M: gl.constexpr, WARPS: gl.constexpr,
+    ):
+        # 16-byte row segments: each thread's 4 fp32 columns are contiguous in the output row.
+        EL: gl.constexpr = gl.BlockedLayout([1, 4], [128 // BLOCK_N, BLOCK_N // 4], [WARPS, 1], [1, 0])
+        num_n = gl.cdiv(N, BLOCK_N)
+        num_padded = gl.load(num_padded_ptr)
+        first, end, step = _tile_range(num_padded_ptr, max_blocks, num_n, BLOCK_M, PERSISTENT)
+        tc = 0
+        for tile in range(first, end, step):
+            pid_m, pid_n = _tile_coords(tile, max_blocks, num_n, PERSISTENT, GROUP_M)
+            if pid_m * BLOCK_M < num_padded:
+                ampere.mbarrier.wait(acc_ready, tc & 1)
+                acc = acc_smem.load(EL)
+                gl.barrier()
+                ampere.mbarrier.arrive(acc_empty)
+                tc += 1
+                _down_epilogue(acc, w_dec_ptr, a_enc_ptr, topk_w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr,
+                               pid_m, pid_n, R, N, top_k, stride_om, DETERMINISTIC, BLOCK_M, BLOCK_N)
 
     @gluon.jit
     def _gate_up_epilogue(gate, up, q_enc_ptr, out_ptr, out_sf_ptr, sorted_ids_ptr, pid_m, pid_n, R, N,
@@ -296,7 +353,7 @@ if HAS_GLUON:
         R, N, K, top_k, max_blocks,
         stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
         GATED: gl.constexpr, ACTIVATION: gl.constexpr, DETERMINISTIC: gl.constexpr, USE_TMA: gl.constexpr,
-        DECODE: gl.constexpr, PERSISTENT: gl.constexpr, STAGES: gl.constexpr,
+        DECODE: gl.constexpr, PERSISTENT: gl.constexpr, EPILOGUE_WARPS: gl.constexpr, STAGES: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
         MMA_WARPS_M: gl.constexpr,
     ):
@@ -315,27 +372,56 @@ if HAS_GLUON:
             ampere.mbarrier.init(empty.index(s), count=1)
         hopper.fence_async_shared()  # the barrier inits must be visible to the TMA unit
         LOADER_R: gl.constexpr = LOADER_REGS_C if USE_TMA else LOADER_REGS_PTR_C
-
-        gl.warp_specialize([
-            (_mma_partition, (w_dec_ptr, a_enc_ptr, q_enc_ptr, topk_w_ptr, out_ptr, out_sf_ptr,
-                              a_smem, asf_smem, w_smem, wsf_smem, ready, empty,
-                              sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                              R, N, K, top_k, max_blocks, stride_om, stride_osm,
-                              GATED, ACTIVATION, DETERMINISTIC, DECODE, PERSISTENT, STAGES, BLOCK_M, BLOCK_N,
-                              BLOCK_K, GROUP_M, MMA_WARPS_M, gl.num_warps())),
-            (_loader_partition, (a_ptr, a_sf_ptr, w_ptr, w_desc, w_sf_ptr, a_smem, asf_smem, w_smem, wsf_smem,
-                                 ready, empty, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                                 R, N, K, top_k, max_blocks, stride_am, stride_asm, stride_we, stride_wn,
-                                 stride_wse, stride_wsn,
-                                 GATED, USE_TMA, PERSISTENT, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                                 ROW_CHUNK_C)),
-        ], [LOADER_WARPS_C], [LOADER_R])
+        if EPILOGUE_WARPS > 0:
+            gl.static_assert(not GATED and PERSISTENT, "epilogue warps serve the persistent down GEMM")
+            acc_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], SF_L)
+            acc_bars = gl.allocate_shared_memory(gl.int64, [2, 1], ampere.mbarrier.MBarrierLayout())
+            ampere.mbarrier.init(acc_bars.index(0), count=1)
+            ampere.mbarrier.init(acc_bars.index(1), count=1)
+            gl.warp_specialize([
+                (_mma_partition, (w_dec_ptr, a_enc_ptr, q_enc_ptr, topk_w_ptr, out_ptr, out_sf_ptr,
+                                  a_smem, asf_smem, w_smem, wsf_smem, ready, empty,
+                                  acc_smem, acc_bars.index(0), acc_bars.index(1),
+                                  sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                                  R, N, K, top_k, max_blocks, stride_om, stride_osm,
+                                  GATED, ACTIVATION, DETERMINISTIC, DECODE, PERSISTENT, EPILOGUE_WARPS, STAGES,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, MMA_WARPS_M, gl.num_warps())),
+                (_loader_partition, (a_ptr, a_sf_ptr, w_ptr, w_desc, w_sf_ptr, a_smem, asf_smem, w_smem, wsf_smem,
+                                     ready, empty, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                                     R, N, K, top_k, max_blocks, stride_am, stride_asm, stride_we, stride_wn,
+                                     stride_wse, stride_wsn,
+                                     GATED, USE_TMA, PERSISTENT, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                     ROW_CHUNK_C)),
+                (_epilogue_partition, (w_dec_ptr, a_enc_ptr, topk_w_ptr, out_ptr, acc_smem, acc_bars.index(0),
+                                       acc_bars.index(1), sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                                       R, N, top_k, max_blocks, stride_om,
+                                       DETERMINISTIC, PERSISTENT, BLOCK_M, BLOCK_N, GROUP_M, EPILOGUE_WARPS)),
+            ], [LOADER_WARPS_C, EPILOGUE_WARPS], [LOADER_R, EPILOGUE_REGS_C])
+        else:
+            # No accumulator hand-over: the ring's buffers stand in for the unused arguments.  (The partition
+            # tuples cannot live in a variable in Gluon, hence the loader twice.)
+            gl.warp_specialize([
+                (_mma_partition, (w_dec_ptr, a_enc_ptr, q_enc_ptr, topk_w_ptr, out_ptr, out_sf_ptr,
+                                  a_smem, asf_smem, w_smem, wsf_smem, ready, empty,
+                                  asf_smem, ready.index(0), empty.index(0),
+                                  sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                                  R, N, K, top_k, max_blocks, stride_om, stride_osm,
+                                  GATED, ACTIVATION, DETERMINISTIC, DECODE, PERSISTENT, EPILOGUE_WARPS, STAGES,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, MMA_WARPS_M, gl.num_warps())),
+                (_loader_partition, (a_ptr, a_sf_ptr, w_ptr, w_desc, w_sf_ptr, a_smem, asf_smem, w_smem, wsf_smem,
+                                     ready, empty, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                                     R, N, K, top_k, max_blocks, stride_am, stride_asm, stride_we, stride_wn,
+                                     stride_wse, stride_wsn,
+                                     GATED, USE_TMA, PERSISTENT, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                     ROW_CHUNK_C)),
+            ], [LOADER_WARPS_C], [LOADER_R])
 
     from .gluon_mma_scaled import mma_scaled_sm120, scaled_layout
 
     LOADER_WARPS_C = gl.constexpr(LOADER_WARPS)
     LOADER_REGS_C = gl.constexpr(LOADER_REGS)
     LOADER_REGS_PTR_C = gl.constexpr(LOADER_REGS_PTR)
+    EPILOGUE_REGS_C = gl.constexpr(EPILOGUE_REGS)
     ROW_CHUNK_C = gl.constexpr(ROW_CHUNK)
     DECODE_PORTABLE_C = gl.constexpr(DECODE_PORTABLE)
 
@@ -343,7 +429,8 @@ if HAS_GLUON:
 # ---------------------------------------------------------------------------------------------------------------
 # Launchers: the arguments of moe_w4a4.moe_w4a4_gate_up / moe_w4a4_down, plus ``persistent`` and ``decode``.
 # ---------------------------------------------------------------------------------------------------------------
-def _check_tile(gated: bool, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int):
+def _check_tile(gated: bool, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
+                persistent: bool = False, epilogue_warps: int = 0):
     if block_k != 128:  # the BLOCK_K compile-checked for sm_120 (rows of 64 code bytes, 8 scale bytes)
         raise ValueError(f"block_k: the Gluon W4A4 MoE GEMM takes 128, got {block_k}")
     if block_n < ROW_CHUNK or block_n & (block_n - 1) or block_n > 128:
@@ -353,7 +440,10 @@ def _check_tile(gated: bool, block_m: int, block_n: int, block_k: int, num_warps
                          f"multiple of {ROW_CHUNK}), got {num_warps} for block_m {block_m}")
     if num_stages < 2:
         raise ValueError(f"num_stages: the mbarrier ring needs >= 2 slots, got {num_stages}")
-    need = smem_bytes(gated, block_m, block_n, block_k, num_stages)
+    if epilogue_warps not in (0, EPILOGUE_WARPS) or (epilogue_warps and (gated or not persistent)):
+        raise ValueError(f"epilogue_warps: 0, or {EPILOGUE_WARPS} for the persistent down GEMM, got {epilogue_warps} "
+                         f"({'gate_up' if gated else 'down'}, persistent={persistent})")
+    need = smem_bytes(gated, block_m, block_n, block_k, num_stages, epilogue_warps)
     if need > SMEM_LIMIT - 8192:  # room for barriers and the epilogue's layout-conversion scratch
         raise ValueError(f"tile: {num_stages} stages of [{block_m}+{block_n}, {block_k}] need {need} B of shared "
                          f"memory (sm_120 has {SMEM_LIMIT} B per block); use fewer stages or a smaller tile")
@@ -373,8 +463,8 @@ def _default_tma(codes, block_k: int) -> bool:
 
 def _launch(a, a_sf, codes, w_sf, dec, a_enc, q_enc, topk_w, out, out_sf, out_sf_stride, align, n, k, *, gated,
             activation, deterministic, block_n, block_k, group_m, num_warps, num_stages, use_tma, persistent,
-            decode):
-    _check_tile(gated, align.block_m, block_n, block_k, num_warps, num_stages)
+            decode, epilogue_warps=0):
+    _check_tile(gated, align.block_m, block_n, block_k, num_warps, num_stages, persistent, epilogue_warps)
     if use_tma is None:
         use_tma = _default_tma(codes, block_k)
     num_n = triton.cdiv(n, block_n)
@@ -386,7 +476,7 @@ def _launch(a, a_sf, codes, w_sf, dec, a_enc, q_enc, topk_w, out, out_sf, out_sf
         out.stride(0), out_sf_stride,
         GATED=gated, ACTIVATION=activation, DETERMINISTIC=deterministic, USE_TMA=use_tma,
         DECODE=default_decode(a.device) if decode is None else bool(decode), PERSISTENT=persistent,
-        STAGES=num_stages, BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        EPILOGUE_WARPS=epilogue_warps, STAGES=num_stages, BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         MMA_WARPS_M=num_warps // 2, num_warps=num_warps,
     )
 
@@ -428,11 +518,13 @@ def gluon_moe_w4a4_down(
     a_codes, a_scales, w2_codes, w2_scales, w2_dec, a2_enc, topk_weights, align: MoeAlignment, out, *,
     deterministic: bool = False, decode: bool | None = None, block_n: int = 64, block_k: int = 128,
     group_m: int = 8, num_warps: int = 4, num_stages: int = 3, use_tma: bool | None = None,
-    persistent: bool = False,
+    persistent: bool = False, epilogue_warps: int = 0,
 ):
     """Gluon twin of :func:`.moe_w4a4.moe_w4a4_down`: ``topk_weight * (w2_dec[e] / a2_enc) * (inter[route] @
     w2[e]^T)`` summed into the zeroed fp32 ``out`` ``[T, H]`` (atomics) or, ``deterministic``, the per-route
-    ``[R, H]``.  ``decode``, ``use_tma``, ``persistent`` as in :func:`gluon_moe_w4a4_gate_up`."""
+    ``[R, H]``.  ``decode``, ``use_tma``, ``persistent`` as in :func:`gluon_moe_w4a4_gate_up`.
+    ``epilogue_warps`` (persistent only): 0 = the mma warps run the epilogue; ``EPILOGUE_WARPS`` = a separate
+    partition does, so the mma warps start the next tile while the atomics of this one drain."""
     require_gluon("gluon_moe_w4a4_down")
     import torch
 
@@ -446,5 +538,5 @@ def gluon_moe_w4a4_down(
     _launch(a_codes, a_scales.view(torch.uint8), w2_codes, w_sf, w2_dec, a2, a2, topk_weights.contiguous(), out,
             out, 0, align, h, i, gated=False, activation="silu", deterministic=deterministic, block_n=block_n,
             block_k=block_k, group_m=group_m, num_warps=num_warps, num_stages=num_stages, use_tma=use_tma,
-            persistent=persistent, decode=decode)
+            persistent=persistent, decode=decode, epilogue_warps=epilogue_warps)
     return out
