@@ -217,9 +217,11 @@ _TILES = sorted({(sw, c["block_t"], c["block_k"], c["num_warps"])
 def compiled():
     from vllm_nvfp4_sm120.kernels.aot import compile_kernel
 
+    # What sm_120 runs: both hardware converts (the launcher's default there).
     return {
         tile: compile_kernel(KERNEL, ACT_QUANT_SIGNATURE,
-                             dict(SWIZZLED=tile[0], NATIVE_E4M3=True, BLOCK_T=tile[1], BLOCK_K=tile[2]),
+                             dict(SWIZZLED=tile[0], NATIVE_E4M3=True, NATIVE_E2M1=True, BLOCK_T=tile[1],
+                                  BLOCK_K=tile[2]),
                              num_warps=tile[3], divisible=ACT_QUANT_DIVISIBLE)
         for tile in _TILES
     }
@@ -232,10 +234,25 @@ def test_compiles_for_sm120(compiled, tile):
     rep.require_no_local().require_smem()
     # fp32 -> e4m3 is the RNE hardware convert, two per instruction.
     rep.require_ptx(r"cvt\.rn\.satfinite\.e4m3x2\.f32").require_sass(r"F2FP\.SATFINITE\.E4M3\.F32")
-    # 16-byte activation loads with the evict_last hint; no fp4 convert (there is none on sm_90).
+    # fp32 -> e2m1 is the hardware convert too, two values per instruction (one per output byte).
+    rep.require_ptx(r"cvt\.rn\.satfinite\.e2m1x2\.f32").require_sass(r"F2FP\.SATFINITE\.E2M1\.F32")
+    assert len(re.findall(r"cvt\.rn\.satfinite\.e2m1x2\.f32", rep.ptx)) * 2 * 32 * tile[3] == tile[1] * tile[2]
+    # 16-byte activation loads with the evict_last hint.
     rep.require_ptx(r"ld\.global\.L1::evict_last[.\w:]*\.v4\.b32").require_sass(r"LDG\.E\.EL\.128")
-    assert not re.search(r"e2m1", rep.ptx)
     assert "sm_120a" in rep.ptx
+
+
+@pytest.mark.compile
+def test_arithmetic_e2m1_compiles_for_sm90():
+    # What the H200 runs (its GPU tests check it bit-exact): the exact e2m1 arithmetic, no fp4 convert (sm_90 has
+    # none).  The hardware convert's numerics await an sm_120 run (selftest's activation-quant check).
+    from vllm_nvfp4_sm120.kernels.aot import compile_kernel
+
+    rep = compile_kernel(KERNEL, ACT_QUANT_SIGNATURE,
+                         dict(SWIZZLED=False, NATIVE_E4M3=True, NATIVE_E2M1=False, BLOCK_T=8, BLOCK_K=1024),
+                         num_warps=4, divisible=ACT_QUANT_DIVISIBLE, arch=90)
+    rep.require_no_local().require_ptx(r"cvt\.rn\.satfinite\.e4m3x2\.f32")
+    assert not re.search(r"e2m1", rep.ptx)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -292,3 +309,22 @@ def test_cuda_graph_replay():
     torch.testing.assert_close(codes.cpu(), ref.codes, rtol=0, atol=0)
     want = swizzle_128x4(ref.scales).view(torch.uint8)
     torch.testing.assert_close(scales.cpu().view(torch.uint8), want, rtol=0, atol=0)
+
+
+# Every e2m1 rounding midpoint (ties to even), saturation, -0 and tiny negatives, with block scale exactly 1
+# (amax 6, encode global 1): where a hardware convert would disagree with the reference, if anywhere.
+EDGE_BLOCK = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.1, -0.0, 0.0, -6.0, 0.5, 3.0, -5.0]
+
+
+@pytest.mark.sm120
+@pytest.mark.parametrize("swizzled", [False, True])
+def test_native_e2m1_convert_sm120(swizzled):
+    gen = torch.Generator().manual_seed(11)
+    x = torch.cat([torch.tensor(EDGE_BLOCK).repeat(4, 8), _activations(4, 128, torch.float32, gen)])
+    x = x.to(torch.bfloat16)
+    for gs in (GlobalScale.from_encode(1.0), _enc(x)):
+        ref = quantize_nvfp4(x, gs)
+        codes, scales = quantize_act_nvfp4(x.cuda(), gs.enc.reshape(1).cuda(), swizzled=swizzled, native_e2m1=True)
+        torch.testing.assert_close(codes.cpu(), ref.codes, rtol=0, atol=0)
+        want = swizzle_128x4(ref.scales) if swizzled else ref.scales
+        torch.testing.assert_close(scales.cpu().view(torch.uint8), want.view(torch.uint8), rtol=0, atol=0)

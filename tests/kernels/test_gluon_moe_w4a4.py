@@ -68,6 +68,8 @@ def test_w4a4_compiles_for_sm120(tile, gated, use_tma):
     rep.require_ptx(r"setmaxnreg\.dec").require_ptx(r"setmaxnreg\.inc")  # the loader gives registers away
     rep.require_ptx(r"mbarrier\.try_wait")
     assert not rep.has_ptx(r"mma\.sync\.aligned\.m16n8k16")  # no bf16 MMA: the DECODE path is compiled out
+    if gated:  # the intermediate's e2m1 rounding by the hardware convert
+        rep.require_ptx(r"cvt\.rn\.satfinite\.e2m1x2\.f32").require_sass(r"F2FP\.SATFINITE\.E2M1\.F32")
     if use_tma:
         rep.require_ptx(PTX_TMA_LOAD)
     else:
@@ -99,7 +101,7 @@ def test_w4a4_decode_variant_compiles_for_sm90(gated):
     # memory is not asserted: a few spill slots on sm_90 do not matter for an emulation path.
     rep = _compile(gated, gated, "bm64", decode=True, arch=90)
     rep.require_ptx(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32").require_smem()
-    assert not rep.has_ptx(PTX_MMA_NVFP4)
+    assert not rep.has_ptx(PTX_MMA_NVFP4) and not rep.has_ptx(r"e2m1x2")
 
 
 def test_w4a4_launcher_checks():

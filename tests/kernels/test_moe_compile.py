@@ -57,7 +57,8 @@ def _gemm_jobs():
                 name = "_moe_w4a4_gate_up_kernel" if which == "gate_up" else "_moe_w4a4_down_kernel"
                 sig = w4.MOE_W4A4_GATE_UP_SIGNATURE if which == "gate_up" else w4.MOE_W4A4_DOWN_SIGNATURE
                 div = w4.MOE_W4A4_GATE_UP_DIVISIBLE if which == "gate_up" else w4.MOE_W4A4_DOWN_DIVISIBLE
-                consts = dict(DECODE=p.decode) | (dict(NATIVE_E4M3=True) if which == "gate_up" else {})
+                consts = dict(DECODE=p.decode) | (dict(NATIVE_E4M3=True, NATIVE_E2M1=True) if which == "gate_up"
+                                                  else {})
             consts |= (dict(ACTIVATION="silu") if which == "gate_up" else dict(DETERMINISTIC=False))
             consts |= dict(BLOCK_M=p.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m)
             key = (name, tuple(sorted(consts.items())), tile.num_warps, tile.num_stages)
@@ -74,8 +75,8 @@ def test_gemm_compiles_for_sm120(job):
         rep.require_sass(SASS_OMMA_NVFP4)
         # Exact scales: IEEE divisions (alpha's 1 / enc; the epilogue's 1 / block decode) and the RNE e4m3 convert.
         rep.require_ptx(r"div\.rn\.f32")
-        if "gate_up" in name:
-            rep.require_ptx(E4M3_CVT)
+        if "gate_up" in name:  # the intermediate's block scales and codes by the hardware converts
+            rep.require_ptx(E4M3_CVT).require_ptx(r"cvt\.rn\.satfinite\.e2m1x2\.f32")
     if use_tma:
         rep.require_ptx(PTX_TMA_LOAD)
     rep.require_no_local().require_smem()
@@ -86,7 +87,8 @@ def test_gated_variants_compile():
     plan = [p for p in all_moe_plans(SM120) if p.kernel == "w4a4"][-1]
     base = dict(DECODE=False, BLOCK_M=plan.block_m, BLOCK_K=plan.gate_up.block_k, GROUP_M=8)
     rep = compile_("vllm_nvfp4_sm120.kernels.moe_w4a4:_moe_w4a4_gate_up_kernel", w4.MOE_W4A4_GATE_UP_SIGNATURE,
-                   base | dict(ACTIVATION="gelu_tanh", NATIVE_E4M3=True, BLOCK_N=plan.gate_up.block_n),
+                   base | dict(ACTIVATION="gelu_tanh", NATIVE_E4M3=True, NATIVE_E2M1=True,
+                               BLOCK_N=plan.gate_up.block_n),
                    w4.MOE_W4A4_GATE_UP_DIVISIBLE,
                    plan.gate_up.num_warps, plan.gate_up.num_stages)
     rep.require_sass(SASS_OMMA_NVFP4).require_no_local().require_smem()

@@ -13,8 +13,8 @@ buffer may come from ``torch.empty`` and nothing extra runs under a CUDA graph.
 
 Exactness on every target:
 - divisions are ``tl.div_rn`` (IEEE); a plain ``/`` is approximate on the GPU.
-- e2m1 rounding is one fp32 add of a binade-dependent "magic number" (it rounds once, ties to even), no fp4
-  convert (there is none before sm_100).
+- e2m1 rounding is one fp32 add of a binade-dependent "magic number" (it rounds once, ties to even), or on
+  sm_120 (``NATIVE_E2M1``) the hardware ``cvt.rn.satfinite.e2m1x2.f32``, which rounds the same way.
 - e4m3 rounding: ``NATIVE_E4M3=True`` uses Triton's fp32 → fp8e4nv cast, which lowers to
   ``cvt.rn.satfinite.e4m3x2.f32`` (RNE; sm_89+, so on sm_90 and sm_120 alike).  The interpreter's cast is *not*
   RNE (it rounds ties away and does not carry into the exponent), so ``NATIVE_E4M3=False`` does the rounding in
@@ -33,7 +33,8 @@ ACT_QUANT_SIGNATURE = {
     "x_ptr": "*bf16", "enc_ptr": "*fp32", "codes_ptr": "*u8", "sf_ptr": "*u8",
     "T": "i32", "K": "i32", "stride_xt": "i32", "stride_ct": "i32", "stride_st": "i32",
     "SF_ROWS": "i32", "SF_COLS": "i32",
-    "SWIZZLED": "constexpr", "NATIVE_E4M3": "constexpr", "BLOCK_T": "constexpr", "BLOCK_K": "constexpr",
+    "SWIZZLED": "constexpr", "NATIVE_E4M3": "constexpr", "NATIVE_E2M1": "constexpr", "BLOCK_T": "constexpr",
+    "BLOCK_K": "constexpr",
 }
 # Real checkpoint shapes: K, the strides and the scale-buffer sizes are multiples of 16 (K % 256 == 0, K/16 % 16
 # == 0 for every K we ship; T and SF_ROWS are not).  Without these the loads are not vectorized.
@@ -88,14 +89,34 @@ def _e4m3_rne(s, NATIVE: tl.constexpr):
     return byte, value
 
 
+# sm_120a (and sm_100a): the hardware fp32 → e2m1 convert, two values per byte (the first source is the high
+# nibble), round to nearest even, saturating at ±6 -- the rounding of _e2m1_codes in one instruction per pair.
+# pack=4: four bytes built from four (hi, lo) pairs and returned in one 32-bit register.
+_CVT_E2M1X2 = tl.constexpr(
+    "{\n.reg .b8 b0, b1, b2, b3;\n"
+    "cvt.rn.satfinite.e2m1x2.f32 b0, $5, $1;\ncvt.rn.satfinite.e2m1x2.f32 b1, $6, $2;\n"
+    "cvt.rn.satfinite.e2m1x2.f32 b2, $7, $3;\ncvt.rn.satfinite.e2m1x2.f32 b3, $8, $4;\n"
+    "mov.b32 $0, {b0, b1, b2, b3};\n}"
+)
+
+
 @triton.jit
-def quantize_blocks_nvfp4(x, enc, NATIVE_E4M3: tl.constexpr):
+def _e2m1x2_native(lo, hi):
+    """fp32 pairs → packed e2m1 bytes (``lo`` in the low nibble) by ``cvt.rn.satfinite.e2m1x2.f32`` (sm_120a)."""
+    return tl.inline_asm_elementwise(_CVT_E2M1X2, "=r,r,r,r,r,r,r,r,r", [lo, hi], dtype=tl.uint8,
+                                     is_pure=True, pack=4)
+
+
+@triton.jit
+def quantize_blocks_nvfp4(x, enc, NATIVE_E4M3: tl.constexpr, NATIVE_E2M1: tl.constexpr = False):
     """fp32 blocks ``[R, NB, 16]`` → (packed e2m1 codes ``[R, NB, 8]`` uint8, e4m3 scale bytes ``[R, NB]`` uint8).
 
     Bit-exact with ``format.quantize_nvfp4`` given the same fp32 values and ``enc`` (the encode global, fp32
     scalar): the formula in the module docstring, in the same order.  The one implementation for every kernel
     that quantizes to NVFP4 (activations here, the W4A4 MoE intermediate in ``moe_w4a4``); a kernel with a 2-D
     ``[R, C]`` tile passes ``tl.reshape(tile, (R, C // 16, 16))``.  Element 2i of a block is the low nibble.
+    ``NATIVE_E2M1`` (sm_120 only): the e2m1 rounding by the hardware convert instead of fp32/integer arithmetic
+    (which costs about a dozen ALU operations per element and limits the quantizer on the H200).
     """
     amax = tl.max(tl.abs(x), axis=2)
     sf_byte, sf_val = _e4m3_rne(tl.minimum(enc * (amax * _ONE_SIXTH), 448.0), NATIVE_E4M3)
@@ -104,7 +125,11 @@ def quantize_blocks_nvfp4(x, enc, NATIVE_E4M3: tl.constexpr):
     # div_rn itself (no tl.full: Gluon kernels call this function too, and Gluon's full needs a layout).
     is_zero = dec == 0.0
     elem_scale = tl.where(is_zero, 0.0, tl.div_rn(1.0, tl.where(is_zero, 1.0, dec)))
-    codes = _e2m1_codes(x * elem_scale[:, :, None])
+    scaled = x * elem_scale[:, :, None]
+    if NATIVE_E2M1:
+        lo, hi = tl.split(tl.reshape(scaled, (x.shape[0], x.shape[1], 8, 2)))
+        return _e2m1x2_native(lo, hi), sf_byte.to(tl.uint8)
+    codes = _e2m1_codes(scaled)
     lo, hi = tl.split(tl.reshape(codes, (x.shape[0], x.shape[1], 8, 2)))
     return (lo | (hi << 4)).to(tl.uint8), sf_byte.to(tl.uint8)
 
@@ -116,6 +141,7 @@ def _act_quant_kernel(
     SF_ROWS, SF_COLS,
     SWIZZLED: tl.constexpr,
     NATIVE_E4M3: tl.constexpr,
+    NATIVE_E2M1: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -132,7 +158,7 @@ def _act_quant_kernel(
     # evict_last: the activation stays in L2 for whatever reads it next (the residual, the next quant).
     x = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
 
-    packed, sf_byte = quantize_blocks_nvfp4(x, tl.load(enc_ptr), NATIVE_E4M3)  # [BLOCK_T, NB, 8], [BLOCK_T, NB]
+    packed, sf_byte = quantize_blocks_nvfp4(x, tl.load(enc_ptr), NATIVE_E4M3, NATIVE_E2M1)  # [BT, NB, 8], [BT, NB]
     byte_idx = blk[:, None] * 8 + tl.arange(0, 8)[None, :]  # [NB, 8]
     c_ptrs = codes_ptr + rows64[:, None, None] * stride_ct + byte_idx[None, :, :]
     tl.store(c_ptrs, packed, mask=row_ok[:, None, None] & blk_ok[None, :, None])
@@ -147,6 +173,13 @@ def _act_quant_kernel(
         sf_off = rows64[:, None] * stride_st + blk[None, :]
         sf_mask = row_ok[:, None] & blk_ok[None, :]
     tl.store(sf_ptr + sf_off, sf_byte, mask=sf_mask)
+
+
+def has_native_e2m1(device) -> bool:
+    """Whether ``cvt.rn.satfinite.e2m1x2.f32`` exists on ``device`` (compile-checked for sm_120 only)."""
+    import torch
+
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 12
 
 
 def _next_pow2(n: int) -> int:
@@ -175,6 +208,7 @@ def quantize_act_nvfp4(
     out_codes=None,
     out_scales=None,
     native_e4m3: bool | None = None,
+    native_e2m1: bool | None = None,
     block_t: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
@@ -186,6 +220,8 @@ def quantize_act_nvfp4(
     ``out_codes`` may be a row-strided view (e.g. into a K-padded buffer); ``out_scales`` may be e4m3 or uint8.
     ``in_enc``: one fp32 element on x's device, the ENCODE global (vLLM ``input_global_scale_inv``).
     NaN/inf in ``x`` are not checked (that would need a host sync); NVFP4 cannot represent them.
+    ``native_e4m3`` / ``native_e2m1``: None = the hardware converts where they exist (e4m3: any GPU from sm_89;
+    e2m1: sm_120), the exact arithmetic otherwise.
     """
     import torch
 
@@ -226,12 +262,14 @@ def quantize_act_nvfp4(
         )
     if native_e4m3 is None:
         native_e4m3 = x.device.type == "cuda"  # the interpreter's fp8 cast is not RNE
+    if native_e2m1 is None:
+        native_e2m1 = has_native_e2m1(x.device)
     grid = (triton.cdiv(sf_rows, bt), triton.cdiv(sf_cols * 16, bk))
     _act_quant_kernel[grid](
         x, in_enc, out_codes, out_scales.view(torch.uint8),
         t, k, x.stride(0), out_codes.stride(0), out_scales.stride(0),
         sf_rows, sf_cols,
-        SWIZZLED=swizzled, NATIVE_E4M3=native_e4m3, BLOCK_T=bt, BLOCK_K=bk,
+        SWIZZLED=swizzled, NATIVE_E4M3=native_e4m3, NATIVE_E2M1=native_e2m1, BLOCK_T=bt, BLOCK_K=bk,
         num_warps=num_warps or cfg["num_warps"],
     )
     return out_codes, out_scales

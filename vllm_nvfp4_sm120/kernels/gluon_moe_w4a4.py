@@ -251,8 +251,10 @@ if HAS_GLUON:
 
                 if GATED:
                     alpha = _alpha(w_dec_ptr, a_enc_ptr, expert_ids_ptr, pid_m)
+                    # The hardware e2m1 convert exists where the block-scaled MMA does (sm_120), not under DECODE.
                     _gate_up_epilogue(acc0 * alpha, acc1 * alpha, q_enc_ptr, out_ptr, out_sf_ptr, sorted_ids_ptr,
-                                      pid_m, pid_n, R, N, stride_om, stride_osm, ACTIVATION, BLOCK_M, BLOCK_N, WARPS)
+                                      pid_m, pid_n, R, N, stride_om, stride_osm, ACTIVATION, not DECODE, BLOCK_M,
+                                      BLOCK_N, WARPS)
                 elif EPILOGUE_WARPS > 0:
                     # Hand the raw accumulator over and start the next tile's K loop; the epilogue warps release
                     # the buffer as soon as they hold it in registers.
@@ -316,8 +318,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _gate_up_epilogue(gate, up, q_enc_ptr, out_ptr, out_sf_ptr, sorted_ids_ptr, pid_m, pid_n, R, N,
-                          stride_om, stride_osm, ACTIVATION: gl.constexpr, BLOCK_M: gl.constexpr,
-                          BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
+                          stride_om, stride_osm, ACTIVATION: gl.constexpr, NATIVE_E2M1: gl.constexpr,
+                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
         """``act(gate) * up`` → NVFP4 with the down input's encode scale: codes ``[R, I/2]``, scales ``[R, I/16]``."""
         NG: gl.constexpr = BLOCK_N // 16
         # One 16-element NVFP4 block per thread: the block amax needs no shuffles, and I % 16 == 0 keeps every
@@ -328,7 +330,8 @@ if HAS_GLUON:
         SL: gl.constexpr = gl.BlockedLayout([1, 1], [32 // NG, NG], [WARPS, 1], [1, 0])
         inter = gl.convert_layout(gated_activation_f32(gate, up, ACTIVATION), EL)
         blocks = gl.convert_layout(inter.reshape([BLOCK_M, NG, 16]), L3)
-        codes, sf = quantize_blocks_nvfp4(blocks, gl.load(q_enc_ptr), True)  # sm_89+: the RNE fp8 convert
+        # sm_89+: the RNE fp8 convert; sm_120: the e2m1 convert too.
+        codes, sf = quantize_blocks_nvfp4(blocks, gl.load(q_enc_ptr), True, NATIVE_E2M1)
         codes = gl.convert_layout(codes, CL)
         sf = gl.convert_layout(sf, SL)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .act_quant import quantize_act_nvfp4, quantize_blocks_nvfp4
+from .act_quant import has_native_e2m1, quantize_act_nvfp4, quantize_blocks_nvfp4
 from .fp4_decode import expand_scales_f32, unpack_rows_f32
 from .moe_align import MoeAlignment, moe_block_rows, moe_route_store
 from .moe_w4a16 import ACTIVATIONS, _check_bank, gated_activation_f32
@@ -42,7 +42,8 @@ MOE_W4A4_GATE_UP_SIGNATURE = {
     "R": "i32", "I": "i32", "K": "i32", "top_k": "i32", "max_blocks": "i32",
     "stride_am": "i32", "stride_asm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_wse": "i32",
     "stride_wsn": "i32", "stride_om": "i32", "stride_osm": "i32",
-    "ACTIVATION": "constexpr", "DECODE": "constexpr", "NATIVE_E4M3": "constexpr", "BLOCK_M": "constexpr",
+    "ACTIVATION": "constexpr", "DECODE": "constexpr", "NATIVE_E4M3": "constexpr", "NATIVE_E2M1": "constexpr",
+    "BLOCK_M": "constexpr",
     "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
 }
 MOE_W4A4_DOWN_SIGNATURE = {
@@ -84,7 +85,7 @@ def _moe_w4a4_gate_up_kernel(
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     R, I, K, top_k, max_blocks,
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
-    ACTIVATION: tl.constexpr, DECODE: tl.constexpr, NATIVE_E4M3: tl.constexpr,
+    ACTIVATION: tl.constexpr, DECODE: tl.constexpr, NATIVE_E4M3: tl.constexpr, NATIVE_E2M1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     num_n = tl.cdiv(I, BLOCK_N)
@@ -131,7 +132,7 @@ def _moe_w4a4_gate_up_kernel(
         inter = gated_activation_f32(acc_g * alpha, acc_u * alpha, ACTIVATION)
         # BLOCK_N and I are multiples of 16, so every NVFP4 block of the intermediate lies in one tile.
         codes, sf = quantize_blocks_nvfp4(tl.reshape(inter, (BLOCK_M, BLOCK_N // 16, 16)), tl.load(a2_enc_ptr),
-                                          NATIVE_E4M3)
+                                          NATIVE_E4M3, NATIVE_E2M1)
         codes = tl.reshape(codes, (BLOCK_M, BLOCK_N // 2))
         offs_c = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         offs_s = pid_n * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
@@ -265,13 +266,15 @@ def moe_w4a4_gate_up(
     a_codes, a_scales, w13_codes, w13_scales, w13_dec, a13_enc, a2_enc, align: MoeAlignment, *,
     activation: str = "silu", decode: bool = False, block_n: int = 64, block_k: int = 128, group_m: int = 8,
     num_warps: int = 4, num_stages: int = 3, out_codes=None, out_scales=None, native_e4m3: bool | None = None,
+    native_e2m1: bool | None = None,
 ):
     """NVFP4 intermediate per route: ``quant_a2(act(gate) * up)`` → ``(codes [R, I/2] u8, scales [R, I/16] u8)``.
 
     ``a_codes``/``a_scales``: the layer input quantized with ``a13_enc`` (:func:`moe_quant_input`), one row per
     token.  Rows of routes that no local expert takes are left unwritten.  ``native_e4m3``: round the block
     scales with the fp32 → e4m3 convert (sm_89+; default on CUDA) instead of integer arithmetic (the
-    interpreter's cast is not round-to-nearest-even); both are exact.
+    interpreter's cast is not round-to-nearest-even); both are exact.  ``native_e2m1``: the codes by the
+    hardware fp32 → e2m1 convert (default on sm_120, the only target it is compile-checked for).
     """
     import torch
 
@@ -284,6 +287,8 @@ def moe_w4a4_gate_up(
         return out_codes, out_scales
     if native_e4m3 is None:
         native_e4m3 = a_codes.device.type == "cuda" and torch.cuda.get_device_capability(a_codes.device) >= (8, 9)
+    if native_e2m1 is None:
+        native_e2m1 = has_native_e2m1(a_codes.device)
     grid = (align.max_blocks * triton.cdiv(i, block_n),)
     _moe_w4a4_gate_up_kernel[grid](
         a_codes, a_scales.view(torch.uint8), w13_codes, w_sf, w13_dec,
@@ -292,7 +297,7 @@ def moe_w4a4_gate_up(
         r, i, h, align.top_k, align.max_blocks,
         a_codes.stride(0), a_scales.stride(0), w13_codes.stride(0), w13_codes.stride(1), w_sf.stride(0),
         w_sf.stride(1), out_codes.stride(0), out_scales.stride(0),
-        ACTIVATION=activation, DECODE=decode, NATIVE_E4M3=native_e4m3,
+        ACTIVATION=activation, DECODE=decode, NATIVE_E4M3=native_e4m3, NATIVE_E2M1=native_e2m1,
         BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         num_warps=num_warps, num_stages=num_stages,
     )
