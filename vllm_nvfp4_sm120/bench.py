@@ -99,8 +99,9 @@ def _copies(bytes_per_copy: int, min_bytes: int) -> int:
 
 
 def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: list[str]) -> list[Row]:
-    from .dispatch.linear import select_linear, w4a16_plan
+    from .dispatch.linear import dequant_mm_chunk_n, select_linear, w4a16_plan
     from .dispatch.ops import LINEAR_KERNELS
+    from .kernels.w4a16_linear import GEMV_MAX_T
 
     cc = torch.cuda.get_device_capability()
     cc = cc[0] * 10 + cc[1]
@@ -120,12 +121,22 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
             for t in tokens:
                 x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
                 flops = 2 * t * n * k
+                route_kernel = select_linear(cc, "w4a16", t, n, k, sm_count).kernel
                 candidates: dict[str, Callable[[], object]] = {}
+                kernel_of: dict[str, str] = {}  # candidate -> dispatch kernel name, to mark what the w4a16 route runs
                 if "w4a16" in kernels:  # the Triton W4A16 kernels (the Gluon gemv is its own candidate)
                     plan = w4a16_plan(t, n, k, sm_count, cc // 10, small=True)
                     run = LINEAR_KERNELS[plan.kernel]
                     candidates[f"ours-w4a16 ({plan.kernel})"] = lambda run=run, plan=plan: [
                         run(x, w.codes, w.scales, dec_rows, None, None, None, None, **plan.kwargs) for w in ws]
+                    kernel_of[f"ours-w4a16 ({plan.kernel})"] = plan.kernel
+                    if t > GEMV_MAX_T:  # prefill: dequant + cuBLAS next to the Triton GEMM, at every prefill T
+                        chunk = dequant_mm_chunk_n(t, n, k, sm_count)
+                        run = LINEAR_KERNELS["w4a16_dequant_mm"]
+                        name = f"ours-w4a16 (w4a16_dequant_mm chunk_n={chunk})"
+                        candidates[name] = lambda run=run, chunk=chunk: [
+                            run(x, w.codes, w.scales, dec_rows, None, None, None, None, chunk_n=chunk) for w in ws]
+                        kernel_of[name] = "w4a16_dequant_mm"
                 if "w4a4" in kernels:
                     plan = select_linear(cc, "triton", max(t, 17), n, k, sm_count)  # the W4A4 GEMM at every T
                     run = LINEAR_KERNELS[plan.kernel]
@@ -136,6 +147,7 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
 
                     candidates["ours-gluon-gemv (portable decode below sm_120)"] = lambda: [
                         gemv(x, w.codes, w.scales, dec_rows) for w in ws]
+                    kernel_of["ours-gluon-gemv (portable decode below sm_120)"] = "gluon_gemv"
                 if "cublas-bf16" in kernels:
                     if w_bf16 is None:
                         wb = unit_values(ws[0].codes, ws[0].scales).to(torch.bfloat16)
@@ -148,7 +160,9 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
                     calls = len(w_bf16) if name.startswith("cublas") else (1 if name.startswith("torch") else copies)
                     sec = (time_eager(fn) if name.startswith("torch") else time_graph(fn)) / calls
                     read = (2 * n * k if name.startswith("cublas") else wbytes) / sec / 1e12
-                    rows.append(Row(model, layer, n, k, t, name, sec * 1e6, flops / sec / 1e12, read))
+                    routed = kernel_of.get(name) and route_kernel.startswith(kernel_of[name])
+                    rows.append(Row(model, layer, n, k, t, name, sec * 1e6, flops / sec / 1e12, read,
+                                    "<- w4a16 route" if routed else ""))
                     print(_fmt(rows[-1]), flush=True)
             del ws, w_bf16
             torch.cuda.empty_cache()
@@ -227,7 +241,7 @@ def _gpu_nvfp4(shape, gen: torch.Generator) -> NvFp4:
 
 def bench_moe(shapes: list[str], tokens: list[int]) -> list[Row]:
     """Whole MoE layer (align + gate_up + act + down + top-k sum) vs the cuBLAS bf16 ceiling on the same FLOPs."""
-    from .dispatch.moe import as_gluon_w4a16
+    from .dispatch.moe import as_gluon
     from .dispatch.moe_flow import nvfp4_moe, plan_for
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -254,12 +268,19 @@ def bench_moe(shapes: list[str], tokens: list[int]) -> list[Row]:
                     x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, a13_enc=enc, a2_enc=enc),
                 "cublas-bf16 same FLOPs (ceiling)": lambda: (a @ wg.t(), a2 @ wd.t()),
             }
-            gluon = as_gluon_w4a16(plan_for(x, w13.codes, w2.codes, ti, w4a4=False))
-            if gluon is not None:  # issue 8's proxy comparison: the same work on the Gluon GEMM (sm_120 tiles)
-                candidates["ours-w4a16 gluon"] = lambda gluon=gluon: nvfp4_moe(
-                    x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, plan=gluon)
+            # Issue 8's proxy comparison: the same work on the Gluon GEMMs with their sm_120 tiles (W4A4: the
+            # block-scaled MMA emulated by decode + bf16 MMA below sm_120, not representative for speed).
+            gluon = {w4a4: as_gluon(plan_for(x, w13.codes, w2.codes, ti, w4a4=w4a4), i) for w4a4 in (False, True)}
+            if gluon[False] is not None:
+                candidates["ours-w4a16 gluon"] = lambda: nvfp4_moe(
+                    x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, plan=gluon[False])
+            if gluon[True] is not None and gluon[True].kernel == "w4a4":
+                candidates["ours-w4a4 gluon (emulated MMA below sm_120)"] = lambda: nvfp4_moe(
+                    x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, a13_enc=enc, a2_enc=enc,
+                    plan=gluon[True])
             for cand, fn in candidates.items():
-                plan = gluon if cand.endswith("gluon") else plan_for(x, w13.codes, w2.codes, ti, w4a4="w4a4" in cand)
+                plan = (gluon["w4a4" in cand] if " gluon" in cand
+                        else plan_for(x, w13.codes, w2.codes, ti, w4a4="w4a4" in cand))
                 sec = time_graph(fn)
                 note = "" if cand.startswith("cublas") else f"{plan.kernel} {plan.backend} block_m={plan.block_m}"
                 rows.append(Row(name, "moe", h, i, t, cand, sec * 1e6, flops / sec / 1e12, 0.0, note))

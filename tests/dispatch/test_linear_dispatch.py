@@ -2,7 +2,18 @@
 
 import pytest
 
-from vllm_nvfp4_sm120.dispatch.linear import ROUTES, all_linear_plans, select_linear, small_t_threshold
+from vllm_nvfp4_sm120.dispatch.linear import (
+    DEQUANT_MM_MAX_SCRATCH_BYTES,
+    DEQUANT_MM_MIN_T_PORTABLE,
+    DEQUANT_MM_MIN_T_SM120,
+    ROUTES,
+    W4A4_ROUTES,
+    all_linear_plans,
+    dequant_mm_chunk_n,
+    dequant_mm_min_t,
+    select_linear,
+    small_t_threshold,
+)
 from vllm_nvfp4_sm120.kernels.aot import SASS_OMMA_NVFP4, compile_kernel
 from vllm_nvfp4_sm120.kernels.w4a4_gemm import W4A4_DIVISIBLE, W4A4_SIGNATURE
 
@@ -52,8 +63,44 @@ def test_every_route_answers_every_t():
     for route in ROUTES:
         for t in (0, 1, 16, 17, 100_000):
             plan = select_linear(120, route, t, 5120, 5120)
-            # split_k is derived from the shape and SM count, not a listed tile parameter
-            assert (plan.kernel, tuple(kv for kv in plan.params if kv[0] != "split_k")) in listed
+            # split_k and chunk_n are derived from the shape and SM count, not listed tile parameters
+            assert (plan.kernel, tuple(kv for kv in plan.params if kv[0] not in ("split_k", "chunk_n"))) in listed
+
+
+@pytest.mark.parametrize("cc,min_t", [(120, DEQUANT_MM_MIN_T_SM120), (90, DEQUANT_MM_MIN_T_PORTABLE),
+                                      (80, DEQUANT_MM_MIN_T_PORTABLE)])
+def test_w4a16_prefill_goes_to_dequant_mm(cc, min_t):
+    assert dequant_mm_min_t(cc, "w4a16") == min_t
+    assert select_linear(cc, "w4a16", min_t - 1, 5120, 5120).kernel == "w4a16_gemm"
+    for t in (min_t, 2048, 100_000):
+        plan = select_linear(cc, "w4a16", t, 5120, 5120, sm_count=132)
+        assert plan.kernel == "w4a16_dequant_mm" and plan.kwargs == {"chunk_n": dequant_mm_chunk_n(t, 5120, 5120, 132)}
+
+
+@pytest.mark.parametrize("route", W4A4_ROUTES)
+def test_w4a4_routes_keep_their_prefill(route):
+    assert dequant_mm_min_t(120, route) is None
+    assert select_linear(120, route, 4096, 5120, 5120).is_w4a4
+
+
+@pytest.mark.parametrize("sm_count", [84, 132, 170, 188])
+@pytest.mark.parametrize("n", [5120, 8192, 10240, 51200, 57344])
+@pytest.mark.parametrize("t", [256, 300, 2048, 8192, 65536])
+@pytest.mark.parametrize("k", [5120, 28672])
+def test_dequant_mm_chunk_rule(t, n, k, sm_count):
+    chunk = dequant_mm_chunk_n(t, n, k, sm_count)
+    assert chunk % 128 == 0 and 128 <= chunk <= -(-n // 128) * 128
+    capped = chunk * k * 2 > DEQUANT_MM_MAX_SCRATCH_BYTES - 128 * k * 2  # 128 rows more would pass the cap
+    assert chunk * k * 2 <= DEQUANT_MM_MAX_SCRATCH_BYTES
+    tiles_m = -(-t // 128)
+    if chunk < n and not capped:  # at least 2 waves of 128 x 128 tiles, and 128 rows fewer would not be
+        assert tiles_m * chunk // 128 >= 2 * sm_count
+        assert chunk == 128 or tiles_m * (chunk - 128) // 128 < 2 * sm_count
+
+
+def test_dequant_mm_chunks_shrink_with_t():
+    chunks = [dequant_mm_chunk_n(t, 57344, 8192, 132) for t in (256, 512, 1024, 2048, 4096, 8192)]
+    assert chunks == sorted(chunks, reverse=True) and chunks[-1] < chunks[0]
 
 
 W4A4_TILES = sorted({p.params for p in all_linear_plans() if p.kernel == "w4a4_triton"})

@@ -74,3 +74,36 @@ def test_cuda_graph_replay_matches_eager(route, gen):
         eager = torch.ops.nvfp4_sm120.linear(x, *a, None, route)
         g.replay()
         torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+# ---- route flashinfer_w4a16: its own op (FlashInfer's prepared weight); numerics only on sm_100/sm_12x -------------
+
+
+def test_flashinfer_w4a16_op_has_no_cpu_path():
+    """The op refuses CPU tensors instead of computing something else (no reference reads a repacked weight)."""
+    from vllm_nvfp4_sm120.kernels.fp4_routes import Fp4RouteUnavailable
+
+    x = torch.randn(2, 32).to(torch.bfloat16)
+    b, sf, alpha = torch.zeros(64, 16, dtype=torch.uint8), torch.zeros(128, 4, dtype=torch.uint8), torch.ones(1)
+    with pytest.raises(Fp4RouteUnavailable, match="needs CUDA tensors"):
+        torch.ops.nvfp4_sm120.flashinfer_w4a16(x, b, sf, alpha, None, 64, "cute-dsl")
+
+
+def test_flashinfer_w4a16_fake_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.empty(5, 32, dtype=torch.bfloat16))
+        b = mode.from_tensor(torch.empty(2, 128, dtype=torch.int32))  # cute-dsl: (K/16, 2N)
+        sf = mode.from_tensor(torch.empty(2, 64, dtype=torch.uint8))
+        out = torch.ops.nvfp4_sm120.flashinfer_w4a16(x, b, sf, mode.from_tensor(torch.ones(1)), None, 64, "cute-dsl")
+    assert out.shape == (5, 64) and out.dtype == torch.bfloat16
+
+
+def test_fi_w4a16_plan_runs_the_same_op(monkeypatch):
+    """The table's ``fi_w4a16`` plan, through the linear op's slots, reaches that op with the default backend."""
+    seen = {}
+    monkeypatch.setattr(ops, "flashinfer_w4a16", lambda *args: seen.setdefault("args", args))
+    x, b, sf, alpha = (torch.empty(0) for _ in range(4))
+    ops.LINEAR_KERNELS["fi_w4a16"](x, b, sf, torch.empty(48), None, None, alpha, None)
+    assert seen["args"] == (x, b, sf, alpha, None, 48, "cute-dsl")

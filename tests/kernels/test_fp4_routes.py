@@ -252,6 +252,36 @@ def test_b12x_argument_checks(gen):
     assert R.b12x_linear(x[:0], w, sw, enc, alpha, 40).shape == (0, 40)
 
 
+@pytest.mark.parametrize("t", [0, 3])
+def test_flashinfer_w4a16_linear_calls_mm_bf16_fp4(t, gen, monkeypatch):
+    """What our wrapper hands FlashInfer (faked; mm_bf16_fp4 runs on sm_100/sm_12x only): the prepared tuple, a
+    contiguous copy of a row-strided x, the backend and x's dtype; the bias goes onto FlashInfer's output."""
+    import types
+
+    calls = []
+
+    def mm_bf16_fp4(a, b, b_descale, alpha, *, backend, out_dtype):
+        calls.append(dict(a=a, b=b, sf=b_descale, alpha=alpha, backend=backend, out_dtype=out_dtype))
+        return torch.ones(a.shape[0], 24, dtype=out_dtype)
+
+    monkeypatch.setattr(R, "_flashinfer", lambda: types.SimpleNamespace(mm_bf16_fp4=mm_bf16_fp4))
+    monkeypatch.setattr(R, "_require_gpu", lambda route, t, refuse: None)
+    wide = torch.randn(t, 96, generator=gen).to(torch.bfloat16)
+    x = wide[:, :64]  # row stride 96
+    prepared = (torch.zeros(4, 48, dtype=torch.int32), torch.zeros(4, 24, dtype=torch.uint8), torch.ones(1))
+    bias = torch.arange(24).to(torch.bfloat16)
+    out = R.flashinfer_w4a16_linear(x, prepared, 24, backend="cudnn", bias=bias)
+    assert out.shape == (t, 24) and out.dtype == torch.bfloat16
+    if t == 0:
+        assert not calls  # nothing to launch
+        return
+    [call] = calls
+    assert call["a"].is_contiguous() and torch.equal(call["a"], x)
+    assert call["b"] is prepared[0] and call["sf"] is prepared[1] and call["alpha"] is prepared[2]
+    assert call["backend"] == "cudnn" and call["out_dtype"] == torch.bfloat16
+    torch.testing.assert_close(out, (1 + bias).expand(t, 24), rtol=0, atol=0)
+
+
 def _refuses_here():
     """Where the vendor routes cannot run: this CPU machine, or a GPU that is not sm_120 (the H200)."""
     return not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 12

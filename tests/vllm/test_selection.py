@@ -9,7 +9,7 @@ from vllm.platforms import PlatformEnum
 
 import fp4_routes_stub
 import nvfp4_layers as NL
-from vllm_nvfp4_sm120.dispatch import ops
+from vllm_nvfp4_sm120.dispatch import ops  # noqa: F401  (registers the ops)
 from vllm_nvfp4_sm120.vllm import linear as ours
 from vllm_platform import vllm_config
 import vllm_nvfp4_sm120.vllm.log as glue_log_state  # noqa: E402
@@ -59,14 +59,16 @@ def test_w4a16_checkpoints_opt_in(fake_platform, fmt):
         assert type(kernel_for(fmt, "w4a16", linear_backend=name)) is ours.W4A16NvFp4LinearKernel
     per_quant = {"nvfp4_w4a16": "nvfp4_sm120_w4a16"}
     assert type(kernel_for(fmt, "w4a16", linear_backend_per_quant=per_quant)) is ours.W4A16NvFp4LinearKernel
+    fi = "nvfp4_sm120_flashinfer_w4a16"
+    assert type(kernel_for(fmt, "w4a16", linear_backend=fi)) is ours.FlashInferW4A16NvFp4LinearKernel
+    assert type(kernel_for(fmt, "w4a16", linear_backend_per_quant={"nvfp4_w4a16": fi})) is \
+        ours.FlashInferW4A16NvFp4LinearKernel
 
 
 @pytest.fixture
 def all_routes_available(monkeypatch):
-    """Every route selectable: the fp4_routes names (stub if missing) and a FlashInfer W4A16 dispatch kernel."""
+    """Every route selectable: the fp4_routes names (stub if missing)."""
     fp4_routes_stub.install(monkeypatch)
-    if "fi_w4a16" not in ops.LINEAR_KERNELS:
-        monkeypatch.setitem(ops.LINEAR_KERNELS, "fi_w4a16", fp4_routes_stub._not_on_cpu)
 
 
 W4A4_NAMED = {

@@ -60,6 +60,23 @@ _W4A4_MID = _p("w4a4_triton", block_m=64, block_n=128, block_k=128, num_warps=4,
 # W4A16 rows name the kernel; the tile is chosen by w4a16_plan from the shape and the SM count.
 _W4A16_SMALL = _p("w4a16_gemv")
 _W4A16_BIG = _p("w4a16_gemm")
+# Prefill on a W4A16 route: dequantize row chunks to a 16-bit scratch + cuBLAS; chunk_n from dequant_mm_chunk_n.
+_W4A16_DEQUANT_MM = _p("w4a16_dequant_mm")
+
+# Smallest T that the w4a16 route sends to dequant + cuBLAS, per architecture family.  Below it the Triton GEMM
+# decodes the weight once per 128-row tile of x, which is cheap for few tiles; above it that repeated decode
+# limits the GEMM (0.24-0.35x cuBLAS bf16 on the H200 at T >= 2048), while decoding once into a scratch costs a
+# fixed ~2.5 bytes per weight.  Starting values, to be set from the H200 (and sm_120) measurements.
+DEQUANT_MM_MIN_T_SM120 = 256
+DEQUANT_MM_MIN_T_PORTABLE = 256
+
+
+def _w4a16_rows(dequant_mm_min_t: int) -> list[Row]:
+    return [
+        Row(16, _W4A16_SMALL, "decode sizes"),
+        Row(dequant_mm_min_t - 1, _W4A16_BIG, "mid-size batches: few row tiles, decoding per tile is cheap"),
+        Row(None, _W4A16_DEQUANT_MM, "prefill: decode the weight once per call, cuBLAS does the GEMM"),
+    ]
 
 _SM120: dict[str, list[Row]] = {
     "triton": [
@@ -75,10 +92,7 @@ _SM120: dict[str, list[Row]] = {
         Row(8, _W4A16_SMALL, "b12x is tuned down to small M; below 8 the W4A16 read wins"),
         Row(None, _p("w4a4_b12x"), "prefill: FlashInfer b12x"),
     ],
-    "w4a16": [
-        Row(16, _W4A16_SMALL, "decode sizes"),
-        Row(None, _W4A16_BIG, "prefill, no activation scales (W4A16 checkpoint)"),
-    ],
+    "w4a16": _w4a16_rows(DEQUANT_MM_MIN_T_SM120),  # no activation scales (W4A16 checkpoint)
     "flashinfer_w4a16": [Row(None, _p("fi_w4a16"), "FlashInfer mm_bf16_fp4 on its repacked weight (named only)")],
 }
 
@@ -86,7 +100,7 @@ _SM120: dict[str, list[Row]] = {
 # Triton (>= 3.8) into an exact decode + wgmma: correct, not fast; it exists for the proofs and benchmarks.
 _PORTABLE: dict[str, list[Row]] = {
     "triton": _SM120["triton"],
-    "w4a16": _SM120["w4a16"],
+    "w4a16": _w4a16_rows(DEQUANT_MM_MIN_T_PORTABLE),
 }
 
 TABLE: dict[int, dict[str, list[Row]]] = {12: _SM120, 10: _PORTABLE, 9: _PORTABLE, 8: _PORTABLE}
@@ -115,6 +129,8 @@ def select_linear(cc: int, route: str, t: int, n: int, k: int, sm_count: int = 1
                 return gluon_gemv_plan(t, n, k, sm_count, cc // 10)
             if row.plan in (_W4A16_SMALL, _W4A16_BIG):
                 return w4a16_plan(t, n, k, sm_count, cc // 10, small=row.plan == _W4A16_SMALL)
+            if row.plan == _W4A16_DEQUANT_MM:
+                return _p("w4a16_dequant_mm", chunk_n=dequant_mm_chunk_n(t, n, k, sm_count))
             return row.plan
     raise AssertionError("every route's last row admits any T")
 
@@ -167,13 +183,50 @@ def w4a16_plan(t: int, n: int, k: int, sm_count: int, cc_major: int, *, small: b
     return _p("w4a16_gemm", **W4A16_GEMM_CONFIGS[1])
 
 
+# cuBLAS's large bf16 tiles are about 128 x 128 outputs; the dequant + cuBLAS chunks are sized in those units.
+CUBLAS_TILE = 128
+# Full waves of cuBLAS tiles each chunk's GEMM should have (see dequant_mm_chunk_n).
+DEQUANT_MM_MIN_WAVES = 2
+# Upper bound on the scratch: a transient allocation per call that vLLM's memory profiling counts against the KV
+# cache.  It binds at small T on wide K (e.g. K = 8192 above 8192 rows), where the waves rule asks for big chunks.
+DEQUANT_MM_MAX_SCRATCH_BYTES = 128 << 20
+
+
+def dequant_mm_chunk_n(t: int, n: int, k: int, sm_count: int) -> int:
+    """Weight rows per chunk of ``w4a16_dequant_mm`` for ``x [t, k] @ W [n, k]^T``.
+
+    Each chunk is one cuBLAS GEMM ``[t, chunk] = x @ scratch^T``.  It must fill the GPU on its own: with fewer than
+    ~2 waves of 128 x 128 output tiles (``t/128 * chunk/128 >= 2 * sm_count``) the last partial wave and the GEMM's
+    ramp-up/down are a large share of each chunk, and there is one such tail per chunk.  Beyond that, smaller is
+    better: the scratch (``chunk * k`` 16-bit values) is written by the dequant kernel and read right after by the
+    GEMM, and a scratch that fits in L2 (50 MB on the H200, 96-128 MB on sm_120 parts) is read from there rather
+    than DRAM.  Multiples of 128 keep every chunk but the last on whole cuBLAS tiles; never more than N (rounded
+    up to 128) nor a scratch above ``DEQUANT_MM_MAX_SCRATCH_BYTES``.  K does not enter the rule: it scales the scratch and each chunk's GEMM alike.  Depends only on
+    shapes, so the scratch size is fixed for a CUDA graph.
+    """
+    tiles_m = triton.cdiv(max(t, 1), CUBLAS_TILE)
+    tiles_n = triton.cdiv(DEQUANT_MM_MIN_WAVES * sm_count, tiles_m)
+    cap = max(1, DEQUANT_MM_MAX_SCRATCH_BYTES // (2 * max(k, 1) * CUBLAS_TILE))
+    return min(tiles_n, cap, triton.cdiv(max(n, 1), CUBLAS_TILE)) * CUBLAS_TILE
+
+
 def small_t_threshold(cc: int, route: str) -> int:
-    """Largest T that goes to the W4A16 kernel on this route (0 if none)."""
-    return max((r.max_t or 0) for r in _rows(cc, route) if not r.plan.is_w4a4 and r.max_t is not None)
+    """Largest T that goes to the W4A16 decode (gemv) kernels on this route (0 if none)."""
+    return max((r.max_t for r in _rows(cc, route) if r.plan == _W4A16_SMALL and r.max_t is not None), default=0)
+
+
+def dequant_mm_min_t(cc: int, route: str) -> int | None:
+    """Smallest T that goes to dequant + cuBLAS on this route (None if it never does)."""
+    rows = _rows(cc, route)
+    for prev, row in zip([None, *rows], rows):
+        if row.plan == _W4A16_DEQUANT_MM:
+            return 0 if prev is None else prev.max_t + 1
+    return None
 
 
 def all_linear_plans() -> list[LinearPlan]:
-    """Every plan the table can return (W4A16 tiles without their shape-dependent ``split_k``), for tests."""
+    """Every plan the table can return, for tests: W4A16 tiles without their shape-dependent ``split_k``, and
+    ``w4a16_dequant_mm`` without its shape-dependent ``chunk_n`` (its dequant kernel has one tile)."""
     seen: dict[LinearPlan, None] = {}
     for family in TABLE.values():
         for rows in family.values():

@@ -1,10 +1,15 @@
 """vLLM NVFP4 linear kernel classes, one per route of ``dispatch.linear``, and their selection.
 
-Every class calls the same torch custom op, ``torch.ops.nvfp4_sm120.linear`` (``dispatch/ops.py``), with its
+Every class but one calls the same torch custom op, ``torch.ops.nvfp4_sm120.linear`` (``dispatch/ops.py``), with its
 route; the op picks the kernel per call from T (W4A16 kernel on the same weight at decode sizes, the route's W4A4
 GEMM for prefill).  The classes only prepare the layer once at load time: a ``[N]`` weight decode global per row
 (:mod:`.scale_policy`), a 128x4-swizzled copy of the block scales for the cuBLAS and b12x routes, and the b12x
 padding.  The codes are never copied.
+
+The exception is the comparison route ``flashinfer_w4a16`` (:class:`FlashInferW4A16NvFp4LinearKernel`): FlashInfer
+``mm_bf16_fp4`` at every T on the weight as FlashInfer prepares it (``cute-dsl`` repacks the codes), through its
+own op ``torch.ops.nvfp4_sm120.flashinfer_w4a16``.  It replaces the layer's tensors by FlashInfer's, so there is
+still one copy of the weight, and it is opt-in by name only.
 
 Selection (installed by :mod:`.register`):
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 from collections.abc import Callable, Iterator
 from typing import ClassVar
 
@@ -40,6 +46,11 @@ AUTO_W4A16_ROUTES: tuple[str, ...] = ("w4a16",)
 
 _W_DEC_ROWS = "_nvfp4_sm120_w_dec_rows"
 _W_SCALES_SWIZZLED = "_nvfp4_sm120_w_scales_swizzled"
+# Route flashinfer_w4a16: its weight global (FlashInfer's alpha, [1] fp32) and N (the repacked weight hides it).
+_FI_ALPHA = "_nvfp4_sm120_fi_alpha"
+_FI_N = "_nvfp4_sm120_fi_n"
+FI_W4A16_BACKEND_ENV = "VLLM_NVFP4_SM120_FI_W4A16_BACKEND"
+FI_W4A16_DEFAULT_BACKEND = "cute-dsl"
 
 
 def _ops():
@@ -157,8 +168,7 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
                 delattr(layer, scale_policy._PARTS_ATTR)
             self._fallback.process_weights_after_loading(layer)
             return
-        layer.register_buffer(_W_DEC_ROWS, scale_policy.weight_dec_rows(layer, w4a4=w4a4), persistent=False)
-        layer.register_buffer(_W_SCALES_SWIZZLED, self._prepare_weight(layer), persistent=False)
+        self._prepare_layer(layer, w4a4)
         log_once("info", (kind, self.route, type(self).__name__),
                   "nvfp4_sm120: NVFP4 %s layers use %s (route %s)", kind, type(self).__name__, self.route)
 
@@ -170,6 +180,11 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
         check_tensor(f"{name}.weight_scale", layer.weight_scale, dtype=torch.float8_e4m3fn, shape=(n, k // 16))
         return n, k
 
+    def _prepare_layer(self, layer: torch.nn.Module, w4a4: bool) -> None:
+        """What the op needs next to the checkpoint's tensors: the per-row decode globals, the route's layout."""
+        layer.register_buffer(_W_DEC_ROWS, scale_policy.weight_dec_rows(layer, w4a4=w4a4), persistent=False)
+        layer.register_buffer(_W_SCALES_SWIZZLED, self._prepare_weight(layer), persistent=False)
+
     def _prepare_weight(self, layer: torch.nn.Module) -> torch.Tensor | None:
         """Route-specific load-time layout; returns the swizzled scale copy (None if the route needs none)."""
         return None
@@ -178,8 +193,11 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
     def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self._fallback is not None:
             return self._fallback.apply_weights(layer, x, bias)
-        x2 = x.reshape(-1, x.shape[-1])
-        out = torch.ops.nvfp4_sm120.linear(
+        out = self._forward(layer, x.reshape(-1, x.shape[-1]), bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def _forward(self, layer: torch.nn.Module, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.nvfp4_sm120.linear(
             x2,
             layer.weight,
             layer.weight_scale,
@@ -190,7 +208,6 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
             bias,
             self.route,
         )
-        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 class TritonNvFp4LinearKernel(Sm120NvFp4LinearKernel):
@@ -249,10 +266,63 @@ class W4A16NvFp4LinearKernel(Sm120NvFp4LinearKernel):
     route, backend_name, w4a4 = "w4a16", "nvfp4_sm120_w4a16", False
 
 
+def activation_dtype(layer: torch.nn.Module) -> torch.dtype:
+    """The dtype the layer's activations will have: vLLM builds linears with ``params_dtype`` = the model dtype."""
+    return getattr(layer, "params_dtype", None) or torch.get_default_dtype()
+
+
 class FlashInferW4A16NvFp4LinearKernel(Sm120NvFp4LinearKernel):
-    """FlashInfer ``mm_bf16_fp4`` on its repacked weight (weight-only).  Opt-in by name."""
+    """FlashInfer ``mm_bf16_fp4`` at every T on the weight FlashInfer prepares (weight-only).  Opt-in by name.
+
+    A comparison option, not a default: ``cute-dsl`` (the default backend) repacks the codes, so the layer then
+    holds FlashInfer's tensors instead of the checkpoint's (``cudnn`` keeps the codes and re-lays the scales,
+    ``cute-dsl-native`` keeps the codes and swizzles the scales).  ``VLLM_NVFP4_SM120_FI_W4A16_BACKEND`` picks the
+    backend.  One weight global per tensor: fused layers whose parts differ are refused (route ``w4a16`` applies
+    each part's own).
+    """
 
     route, backend_name, w4a4 = "flashinfer_w4a16", "nvfp4_sm120_flashinfer_w4a16", False
+    fp4_routes_needs = ("W4A16_BACKENDS", "flashinfer_w4a16_refusal", "prepare_flashinfer_w4a16",
+                        "flashinfer_w4a16_linear")
+
+    def __init__(self, config: NvFp4LinearLayerConfig) -> None:
+        super().__init__(config)
+        self.fi_backend = os.environ.get(FI_W4A16_BACKEND_ENV, "").strip() or FI_W4A16_DEFAULT_BACKEND
+
+    def layer_refusal(self, layer, n, k, w4a4):
+        from ..kernels.fp4_routes import W4A16_BACKENDS, flashinfer_w4a16_refusal
+
+        if self.fi_backend not in W4A16_BACKENDS:
+            return f"{FI_W4A16_BACKEND_ENV}={self.fi_backend!r} is not one of {W4A16_BACKENDS}"
+        parts = scale_policy.part_globals(layer)
+        if parts is not None and scale_policy.spread(parts) > 0:
+            # No layer-specific numbers here: the reason keys the once-per-layer-kind log line.
+            return ("its fused parts have different weight global scales and mm_bf16_fp4 takes one per weight "
+                    "(route nvfp4_sm120_w4a16 applies each part's own)")
+        return flashinfer_w4a16_refusal(_capability_of(layer), n, k, backend=self.fi_backend,
+                                        act_dtype=activation_dtype(layer))
+
+    def _prepare_layer(self, layer, w4a4):
+        from ..kernels.fp4_routes import prepare_flashinfer_w4a16
+
+        n = layer.weight.shape[0]
+        # The refusal checked that the parts share one global, so any row's decode global is the weight's.
+        weight_dec = scale_policy.weight_dec_rows(layer, w4a4=w4a4)[:1].clone()
+        b, sf, alpha = prepare_flashinfer_w4a16(layer.weight.data, layer.weight_scale.data, weight_dec,
+                                                backend=self.fi_backend)
+        # Keep only what mm_bf16_fp4 reads, under the checkpoint's names (as vLLM's own FlashInfer W4A16 kernel
+        # does): repacked codes replace the checkpoint's (no second copy), re-laid scales replace the linear ones.
+        if b.data_ptr() != layer.weight.data_ptr():
+            replace_parameter(layer, "weight", b)
+        replace_parameter(layer, "weight_scale", sf)
+        layer.register_buffer(_FI_ALPHA, alpha, persistent=False)
+        setattr(layer, _FI_N, n)
+
+    def _forward(self, layer, x2, bias):
+        return torch.ops.nvfp4_sm120.flashinfer_w4a16(
+            x2, layer.weight, layer.weight_scale, getattr(layer, _FI_ALPHA), bias, getattr(layer, _FI_N),
+            self.fi_backend,
+        )
 
 
 KERNEL_CLASSES: tuple[type[Sm120NvFp4LinearKernel], ...] = (
