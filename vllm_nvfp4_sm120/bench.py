@@ -221,6 +221,48 @@ def sweep_w4a16_gemv(models: list[str], tokens: list[int], min_bytes: int) -> li
     return rows
 
 
+def sweep_dequant_mm(models: list[str], tokens: list[int]) -> list[Row]:
+    """W4A16 prefill by dequant + cuBLAS: chunk sizes around the dispatch rule's, the dequant kernel alone (weight
+    bytes read + 16-bit bytes written per second), and cuBLAS bf16 on the whole dequantized weight (the ceiling).
+    The data ``dispatch.linear.dequant_mm_chunk_n`` is written from.  Prefill is compute bound: one weight copy."""
+    from .dispatch.linear import dequant_mm_chunk_n
+    from .kernels.w4a16_dequant import dequantize_rows, w4a16_dequant_mm
+
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for model in models:
+        for layer, n, k in MODELS[model]:
+            w = random_nvfp4((n, k), gen=gen, device="cuda")
+            dec_rows = torch.full((n,), 0.01, device="cuda")
+            wb = torch.empty((n, k), dtype=torch.bfloat16, device="cuda")
+            sec = time_graph(lambda: dequantize_rows(w.codes, w.scales, dec_rows, torch.bfloat16, out=wb))
+            moved = n * k // 2 + n * k // 16 + 2 * n * k
+            rows.append(Row(model, layer, n, k, 0, "dequantize_rows (whole weight)", sec * 1e6, 0.0,
+                            moved / sec / 1e12, "TB/s = codes + scales read + bf16 written"))
+            print(_fmt(rows[-1]), flush=True)
+            for t in tokens:
+                x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
+                flops = 2 * t * n * k
+                sec = time_graph(lambda: x @ wb.t())
+                rows.append(Row(model, layer, n, k, t, "cublas-bf16 (dequantized weight)", sec * 1e6,
+                                flops / sec / 1e12, 0.0))
+                print(_fmt(rows[-1]), flush=True)
+                ceiling = sec
+                rule = dequant_mm_chunk_n(t, n, k, sm_count)
+                n_r = -(-n // 128) * 128
+                for chunk in sorted({min(c, n_r) for c in (rule // 2 // 128 * 128 or 128, rule, 2 * rule, 4 * rule,
+                                                          n_r)}):
+                    sec = time_graph(lambda: w4a16_dequant_mm(x, w.codes, w.scales, dec_rows, chunk_n=chunk))
+                    rows.append(Row(model, layer, n, k, t, f"w4a16_dequant_mm chunk_n={chunk}", sec * 1e6,
+                                    flops / sec / 1e12, 0.0,
+                                    f"{ceiling / sec:.2f}x cuBLAS" + (" <- rule" if chunk == rule else "")))
+                    print(_fmt(rows[-1]), flush=True)
+            del w, wb
+            torch.cuda.empty_cache()
+    return rows
+
+
 MOE_SHAPES = {  # name: (H, I, E, top_k)
     "qwen3-30b-a3b": (2048, 768, 128, 8),
     "qwen3-235b-a22b": (4096, 1536, 128, 8),
@@ -297,7 +339,7 @@ def _fmt(r: Row) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m vllm_nvfp4_sm120.bench")
-    p.add_argument("what", choices=["linear", "moe", "act_quant", "sweep_gemv", "ceilings"])
+    p.add_argument("what", choices=["linear", "moe", "act_quant", "sweep_gemv", "sweep_dequant_mm", "ceilings"])
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--kernels", default="w4a16,gluon,w4a4,cublas-bf16,naive")
@@ -316,6 +358,8 @@ def main(argv: list[str] | None = None) -> None:
         rows = bench_moe(args.models.split(",") if args.models != ",".join(MODELS) else list(MOE_SHAPES),
                          [int(t) for t in args.tokens.split(",")] if args.tokens != ",".join(map(str, TOKENS))
                          else list(MOE_TOKENS))
+    elif args.what == "sweep_dequant_mm":
+        rows = sweep_dequant_mm(args.models.split(","), tokens)
     elif args.what == "sweep_gemv":
         rows = sweep_w4a16_gemv(args.models.split(","), tokens, int(args.min_bytes))
     elif args.what == "act_quant":
