@@ -4,6 +4,7 @@ import pytest
 
 from vllm_nvfp4_sm120.dispatch.linear import (
     DEQUANT_MM_MAX_SCRATCH_BYTES,
+    DEQUANT_MM_MIN_WAVES,
     DEQUANT_MM_MIN_T_PORTABLE,
     DEQUANT_MM_MIN_T_SM120,
     ROUTES,
@@ -93,9 +94,10 @@ def test_dequant_mm_chunk_rule(t, n, k, sm_count):
     capped = chunk * k * 2 > DEQUANT_MM_MAX_SCRATCH_BYTES - 128 * k * 2  # 128 rows more would pass the cap
     assert chunk * k * 2 <= DEQUANT_MM_MAX_SCRATCH_BYTES
     tiles_m = -(-t // 128)
-    if chunk < n and not capped:  # at least 2 waves of 128 x 128 tiles, and 128 rows fewer would not be
-        assert tiles_m * chunk // 128 >= 2 * sm_count
-        assert chunk == 128 or tiles_m * (chunk - 128) // 128 < 2 * sm_count
+    waves = DEQUANT_MM_MIN_WAVES * sm_count
+    if chunk < n and not capped:  # at least the waves of 128 x 128 tiles, and 128 rows fewer would not be
+        assert tiles_m * chunk // 128 >= waves
+        assert chunk == 128 or tiles_m * (chunk - 128) // 128 < waves
 
 
 def test_dequant_mm_chunks_shrink_with_t():

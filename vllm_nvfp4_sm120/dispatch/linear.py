@@ -65,8 +65,9 @@ _W4A16_DEQUANT_MM = _p("w4a16_dequant_mm")
 
 # Smallest T that the w4a16 route sends to dequant + cuBLAS, per architecture family.  Below it the Triton GEMM
 # decodes the weight once per 128-row tile of x, which is cheap for few tiles; above it that repeated decode
-# limits the GEMM (0.24-0.35x cuBLAS bf16 on the H200 at T >= 2048), while decoding once into a scratch costs a
-# fixed ~2.5 bytes per weight.  Starting values, to be set from the H200 (and sm_120) measurements.
+# limits the GEMM, while decoding once into a scratch costs a fixed ~2.5 bytes per weight.  H200 (docs/
+# benchmarks.md): at T = 128 the Triton GEMM is 1.1-1.3x faster, at T = 512 dequant + cuBLAS is 2-3x faster, at
+# 2048 / 8192 0.76-0.89x / 0.95-1.05x cuBLAS bf16 (Triton GEMM 0.24-0.35x).  sm_120: not measured; the same value.
 DEQUANT_MM_MIN_T_SM120 = 256
 DEQUANT_MM_MIN_T_PORTABLE = 256
 
@@ -185,8 +186,10 @@ def w4a16_plan(t: int, n: int, k: int, sm_count: int, cc_major: int, *, small: b
 
 # cuBLAS's large bf16 tiles are about 128 x 128 outputs; the dequant + cuBLAS chunks are sized in those units.
 CUBLAS_TILE = 128
-# Full waves of cuBLAS tiles each chunk's GEMM should have (see dequant_mm_chunk_n).
-DEQUANT_MM_MIN_WAVES = 2
+# Full waves of cuBLAS tiles each chunk's GEMM should have (see dequant_mm_chunk_n).  Measured on the H200
+# (docs/benchmarks.md, sweep_dequant_mm): 4 waves beat 2 at T = 8192 on all eight Qwen3-32B / Llama-3.3-70B
+# linears (0.95-1.05x vs 0.86-0.97x cuBLAS on the dequantized weight) and tie at T = 2048.
+DEQUANT_MM_MIN_WAVES = 4
 # Upper bound on the scratch: a transient allocation per call that vLLM's memory profiling counts against the KV
 # cache.  It binds at small T on wide K (e.g. K = 8192 above 8192 rows), where the waves rule asks for big chunks.
 DEQUANT_MM_MAX_SCRATCH_BYTES = 128 << 20
@@ -196,7 +199,7 @@ def dequant_mm_chunk_n(t: int, n: int, k: int, sm_count: int) -> int:
     """Weight rows per chunk of ``w4a16_dequant_mm`` for ``x [t, k] @ W [n, k]^T``.
 
     Each chunk is one cuBLAS GEMM ``[t, chunk] = x @ scratch^T``.  It must fill the GPU on its own: with fewer than
-    ~2 waves of 128 x 128 output tiles (``t/128 * chunk/128 >= 2 * sm_count``) the last partial wave and the GEMM's
+    ~4 waves of 128 x 128 output tiles (``t/128 * chunk/128 >= 4 * sm_count``) the last partial wave and the GEMM's
     ramp-up/down are a large share of each chunk, and there is one such tail per chunk.  Beyond that, smaller is
     better: the scratch (``chunk * k`` 16-bit values) is written by the dequant kernel and read right after by the
     GEMM, and a scratch that fits in L2 (50 MB on the H200, 96-128 MB on sm_120 parts) is read from there rather
