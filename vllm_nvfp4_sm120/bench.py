@@ -143,11 +143,15 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
                     candidates[f"ours-w4a4 ({plan.kernel}, emulated MMA below sm_120)"] = lambda run=run, plan=plan: [
                         run(x, w.codes, w.scales, dec_rows, None, in_enc, alpha, None, **plan.kwargs) for w in ws]
                 if "gluon" in kernels and t <= 32:
-                    from .kernels.gluon_gemv import gemv
+                    from .dispatch.linear import gluon_gemv_plan
 
-                    candidates["ours-gluon-gemv (portable decode below sm_120)"] = lambda: [
-                        gemv(x, w.codes, w.scales, dec_rows) for w in ws]
-                    kernel_of["ours-gluon-gemv (portable decode below sm_120)"] = "gluon_gemv"
+                    # The tile the dispatch would pick for this GPU (on sm_90, T = 2 runs the tensor-core tile).
+                    plan = gluon_gemv_plan(t, n, k, sm_count, cc // 10)
+                    run = LINEAR_KERNELS[plan.kernel]
+                    name = f"ours-{plan.kernel.replace('_', '-')} (portable decode below sm_120)"
+                    candidates[name] = lambda run=run, plan=plan: [
+                        run(x, w.codes, w.scales, dec_rows, None, None, None, None, **plan.kwargs) for w in ws]
+                    kernel_of[name] = plan.kernel
                 if "cublas-bf16" in kernels:
                     if w_bf16 is None:
                         wb = unit_values(ws[0].codes, ws[0].scales).to(torch.bfloat16)
