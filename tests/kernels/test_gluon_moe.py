@@ -13,6 +13,7 @@ import functools
 
 import pytest
 import torch
+from moe_gpu_common import assert_moe_close, layer, routing
 
 from vllm_nvfp4_sm120.kernels import gluon_moe_w4a16 as g16
 from vllm_nvfp4_sm120.kernels.aot import PTX_TMA_LOAD, compile_kernel
@@ -111,39 +112,7 @@ def test_w4a16_launcher_checks():
 # ------------------------------------------------------------------------------------------------------------
 # GPU: the full layer against moe_ref (weights generated on the GPU: the CPU quantizer is too slow at 128 experts)
 # ------------------------------------------------------------------------------------------------------------
-SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "odd": (336, 80, 8, 2)}  # H, I, E, top_k
 TOKENS = [0, 3, 64, 512]
-
-
-@functools.cache
-def _bank(e, rows, k, seed):
-    from vllm_nvfp4_sm120.format import NvFp4
-
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    codes = torch.randint(0, 256, (e, rows, k // 2), generator=g, device="cuda", dtype=torch.uint8)
-    scales = (0.25 + 1.75 * torch.rand(e, rows, k // 16, generator=g, device="cuda")).to(torch.float8_e4m3fn)
-    dec = 0.004 + 0.004 * torch.rand(e, generator=g, device="cuda")
-    return NvFp4(codes, scales), dec
-
-
-def _layer(name):
-    h, i, e, k = SHAPES[name]
-    return (h, i, e, k) + _bank(e, 2 * i, h, 1) + _bank(e, h, i, 2)
-
-
-def _routing(t, e, k, skewed, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    logits = torch.randn(t, e, generator=g, device="cuda")
-    if skewed:  # every token on experts 0..k-1: a few experts with many row blocks, the rest idle
-        logits[:, :k] += 100.0
-    w, ids = torch.softmax(logits, -1).topk(k, dim=-1)
-    return (w / w.sum(-1, keepdim=True)).contiguous(), ids.to(torch.int32)
-
-
-def _assert_moe_close(out, ref):
-    # As tests/kernels/test_moe_gpu.py: fp32 summation order (absolute, scales with the output) + one 16-bit ulp.
-    atol = 2.0**-8 * float(ref.float().abs().max()) if ref.numel() else 0.0
-    torch.testing.assert_close(out, ref, atol=atol, rtol=2.0**-7)
 
 
 def _run_w4a16(x, w13, d13, w2, d2, tw, ti, e, tile, *, use_tma=None, activation="silu", deterministic=False):
@@ -168,16 +137,16 @@ def _run_w4a16(x, w13, d13, w2, d2, tw, ti, e, tile, *, use_tma=None, activation
 @pytest.mark.gpu
 @pytest.mark.parametrize("skewed", [False, True], ids=["uniform", "skewed"])
 @pytest.mark.parametrize("t", TOKENS)
-@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "odd"])
 @pytest.mark.parametrize("tile", list(W4A16_TILES))
 def test_w4a16_layer(tile, name, t, skewed):
     from vllm_nvfp4_sm120.format import moe_ref
 
-    h, i, e, k, w13, d13, w2, d2 = _layer(name)
+    h, i, e, k, w13, d13, w2, d2 = layer(name)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
-    tw, ti = _routing(t, e, k, skewed)
+    tw, ti = routing(t, e, k, skewed)
     out = _run_w4a16(x, w13, d13, w2, d2, tw, ti, e, tile)
-    _assert_moe_close(out, moe_ref(x, w13, d13, w2, d2, tw, ti))
+    assert_moe_close(out, moe_ref(x, w13, d13, w2, d2, tw, ti))
 
 
 @pytest.mark.gpu
@@ -186,12 +155,34 @@ def test_w4a16_pointer_loader_fp16_gelu_deterministic(tile):
     # The non-TMA loader on the large shape, fp16, GELU, row-strided input, the deterministic per-route store.
     from vllm_nvfp4_sm120.format import moe_ref
 
-    h, i, e, k, w13, d13, w2, d2 = _layer("qwen3-30b-a3b")
+    h, i, e, k, w13, d13, w2, d2 = layer("qwen3-30b-a3b")
     t = 64
     x = torch.randn(t + 3, h + 64, device="cuda", dtype=torch.float16)[:t, :h]
-    tw, ti = _routing(t, e, k, False, seed=1)
+    tw, ti = routing(t, e, k, False, seed=1)
     args = (x, w13, d13, w2, d2, tw, ti, e, tile)
     a = _run_w4a16(*args, use_tma=False, activation="gelu_tanh", deterministic=True)
     b = _run_w4a16(*args, use_tma=False, activation="gelu_tanh", deterministic=True)
     assert torch.equal(a, b)
-    _assert_moe_close(a, moe_ref(x, w13, d13, w2, d2, tw, ti, activation="gelu_tanh"))
+    assert_moe_close(a, moe_ref(x, w13, d13, w2, d2, tw, ti, activation="gelu_tanh"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [64, 256], ids=["64-per-expert", "256-per-expert"])
+@pytest.mark.parametrize("name", ["qwen3-235b-a22b", "deepseek-v3", "qwen3-next-80b"])
+def test_w4a16_dispatch_tiles_real_shapes(name, m):
+    # The sm_120 dispatch's Gluon plan for the other checkpoints of issue 5 at BLOCK_M 64 and 128.
+    from vllm_nvfp4_sm120.dispatch.moe import as_gluon, select_moe_plan
+    from vllm_nvfp4_sm120.format import moe_ref
+
+    h, i, e, k, w13, d13, w2, d2 = layer(name)
+    t = -(-m * e // k)
+    plan = as_gluon(select_moe_plan((12, 0), num_tokens=t, top_k=k, global_experts=e, hidden=h, intermediate=i,
+                                    w4a4=False), i)
+    key = (plan.block_m, plan.gate_up.block_n, plan.down.block_n, plan.down.block_k, plan.down.num_warps,
+           plan.down.num_stages, plan.down.persistent)
+    tile = next(name for name, value in W4A16_TILES.items() if value == key)
+    assert plan.block_m == (64 if m == 64 else 128)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    tw, ti = routing(t, e, k, False)
+    out = _run_w4a16(x, w13, d13, w2, d2, tw, ti, e, tile)
+    assert_moe_close(out, moe_ref(x, w13, d13, w2, d2, tw, ti))

@@ -19,6 +19,7 @@ import functools
 
 import pytest
 import torch
+from moe_gpu_common import SHAPES, assert_moe_close, layer, routing, w4a4_reference
 
 from vllm_nvfp4_sm120.kernels import gluon_moe_w4a4 as g4
 from vllm_nvfp4_sm120.kernels.aot import PTX_MMA_NVFP4, PTX_TMA_LOAD, SASS_OMMA_NVFP4, compile_kernel
@@ -143,80 +144,20 @@ def test_w4a4_launcher_checks():
 # ------------------------------------------------------------------------------------------------------------
 # GPU: the same source with DECODE against the references (as tests/kernels/test_moe_gpu.py checks W4A4)
 # ------------------------------------------------------------------------------------------------------------
-SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "odd": (336, 80, 8, 2)}  # H, I, E, top_k
 TOKENS = [0, 64, 512]
-_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-
-
-@functools.cache
-def _bank(e, rows, k, seed):
-    from vllm_nvfp4_sm120.format import NvFp4
-
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    codes = torch.randint(0, 256, (e, rows, k // 2), generator=g, device="cuda", dtype=torch.uint8)
-    scales = (0.25 + 1.75 * torch.rand(e, rows, k // 16, generator=g, device="cuda")).to(torch.float8_e4m3fn)
-    dec = 0.004 + 0.004 * torch.rand(e, generator=g, device="cuda")
-    return NvFp4(codes, scales), dec
-
-
-def _layer(name):
-    h, i, e, k = SHAPES[name]
-    return (h, i, e, k) + _bank(e, 2 * i, h, 1) + _bank(e, h, i, 2)
-
-
-def _routing(t, e, k, skewed, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    logits = torch.randn(t, e, generator=g, device="cuda")
-    if skewed:  # every token on experts 0..k-1: a few experts with many row blocks, the rest idle
-        logits[:, :k] += 100.0
-    w, ids = torch.softmax(logits, -1).topk(k, dim=-1)
-    return (w / w.sum(-1, keepdim=True)).contiguous(), ids.to(torch.int32)
-
-
-def _assert_moe_close(out, ref):
-    # As tests/kernels/test_moe_gpu.py: fp32 summation order (absolute, scales with the output) + one 16-bit ulp.
-    atol = 2.0**-8 * float(ref.float().abs().max()) if ref.numel() else 0.0
-    torch.testing.assert_close(out, ref, atol=atol, rtol=2.0**-7)
-
-
-def _fp4_flips(codes, scales, ref_values, gs) -> int:
-    """Kernel NVFP4 ``(codes, scales)`` vs ``quantize_nvfp4(ref_values)``: asserts every difference is explained
-    (a block scale one e4m3 step off, or a code whose value sits within fp32 jitter of an e2m1 rounding
-    midpoint, both rare) and returns how many there are."""
-    from vllm_nvfp4_sm120.format import quantize_nvfp4
-
-    q = quantize_nvfp4(ref_values, gs)
-    sf_kernel, sf_ref = scales.view(torch.uint8), q.scales.view(torch.uint8)
-    bad_sf = sf_kernel != sf_ref
-    assert int(bad_sf.sum()) <= max(2, bad_sf.numel() // 10000), f"{int(bad_sf.sum())} block scales differ"
-    if bad_sf.any():
-        steps = (sf_kernel.int() - sf_ref.int())[bad_sf].abs()
-        assert int(steps.max()) <= 1, f"a block scale is {int(steps.max())} e4m3 steps off"
-    enc = gs.enc.to(ref_values.device)
-    scaled = ref_values.float().unflatten(-1, (-1, 16)) / (q.scales.float() / enc).unsqueeze(-1)
-    kernel_codes = torch.stack((codes & 15, codes >> 4), -1).flatten(-2).unflatten(-1, (-1, 16))
-    ref_codes = torch.stack((q.codes & 15, q.codes >> 4), -1).flatten(-2).unflatten(-1, (-1, 16))
-    diff = (kernel_codes != ref_codes) & ~bad_sf.unsqueeze(-1)
-    if diff.any():
-        mid = torch.tensor(_MIDPOINTS, device=scaled.device)
-        dist = (scaled[diff].abs().unsqueeze(-1) - mid).abs().min(-1).values
-        assert float(dist.max()) < 1e-3, f"code mismatch {float(dist.max())} away from any rounding midpoint"
-        assert int(diff.sum()) <= max(4, diff.numel() // 10000), f"{int(diff.sum())} codes differ"
-    return int(bad_sf.sum()) + int(diff.sum())
 
 
 def _check_layer(name, t, skewed, tile, *, activation="silu", use_tma=None, x_pad=0):
-    from vllm_nvfp4_sm120.format import GlobalScale, moe_ref, quantize_nvfp4, unit_values
-    from vllm_nvfp4_sm120.format.reference import gated_activation
+    from vllm_nvfp4_sm120.format import GlobalScale, moe_ref, quantize_nvfp4
     from vllm_nvfp4_sm120.kernels.moe_align import moe_align, moe_sum
     from vllm_nvfp4_sm120.kernels.moe_w4a4 import moe_quant_input
 
-    h, i, e, k, w13, d13, w2, d2 = _layer(name)
+    h, i, e, k, w13, d13, w2, d2 = layer(name)
     bm, bn_gu, bn_dn, bk, warps, stages, persistent, epi = W4A4_TILES[tile]
     kw = dict(block_k=bk, num_warps=warps, num_stages=stages, persistent=persistent, decode=True, use_tma=use_tma)
     # Row-strided input when x_pad: the quantizer reads it, the GEMMs read its (contiguous) codes.
     x = torch.randn(t, h + x_pad, device="cuda", dtype=torch.bfloat16)[:, :h]
-    tw, ti = _routing(t, e, k, skewed)
+    tw, ti = routing(t, e, k, skewed)
     a13 = (GlobalScale.of(x) if t else GlobalScale.from_encode(1.0)).to("cuda")
     a2 = GlobalScale.from_amax(24.0).to("cuda")
     align = moe_align(ti, e, bm)
@@ -239,29 +180,18 @@ def _check_layer(name, t, skewed, tile, *, activation="silu", use_tma=None, x_pa
         return
 
     # Reference intermediate (fp32, before quantization) per expert, and the down GEMM of the kernel's own one.
-    x_in = unit_values(ac, asf)  # = the reference's quantized input (checked above)
-    ref_out = torch.zeros(t, h, device="cuda")
-    routes = ti.reshape(-1).long()
-    flips = 0
-    for ex in range(e):
-        r = (routes == ex).nonzero().flatten()
-        if r.numel() == 0:
-            continue
-        hh = (x_in[r // k] @ unit_values(w13.codes[ex], w13.scales[ex]).t()) * (d13[ex] * a13.dec)
-        flips += _fp4_flips(ic[r], isf[r], gated_activation(hh, activation), a2)
-        y = unit_values(ic[r], isf[r].view(torch.float8_e4m3fn)) @ unit_values(w2.codes[ex], w2.scales[ex]).t()
-        ref_out.index_add_(0, r // k, y * (d2[ex] * a2.dec) * tw.reshape(-1)[r, None])
-    _assert_moe_close(out.to(x.dtype), ref_out.to(x.dtype))
-    _assert_moe_close(moe_sum(det, k, torch.empty_like(x)), ref_out.to(x.dtype))
+    ref_out, flips = w4a4_reference(ac, asf, w13, d13, w2, d2, tw, ti, ic, isf, a13, a2, activation)
+    assert_moe_close(out.to(x.dtype), ref_out.to(x.dtype))
+    assert_moe_close(moe_sum(det, k, torch.empty_like(x)), ref_out.to(x.dtype))
     if flips == 0:  # every intermediate code as the reference's: the whole layer is format.moe_ref's
         ref = moe_ref(x, w13, d13, w2, d2, tw, ti, activation=activation, a13_gs=a13, a2_gs=a2)
-        _assert_moe_close(out.to(x.dtype), ref)
+        assert_moe_close(out.to(x.dtype), ref)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("skewed", [False, True], ids=["uniform", "skewed"])
 @pytest.mark.parametrize("t", TOKENS)
-@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "odd"])
 def test_w4a4_layer_decode(name, t, skewed):
     # Qwen3-30B: weight codes by TMA (H and I % 256 == 0); odd: pointer loads with K and N tails.
     _check_layer(name, t, skewed, "bm64")
@@ -291,10 +221,10 @@ def test_w4a4_gluon_plan_through_the_flow():
     from vllm_nvfp4_sm120.kernels.moe_align import moe_align, moe_sum
     from vllm_nvfp4_sm120.kernels.moe_w4a4 import moe_quant_input
 
-    h, i, e, k, w13, d13, w2, d2 = _layer("qwen3-30b-a3b")
+    h, i, e, k, w13, d13, w2, d2 = layer("qwen3-30b-a3b")
     t = 1024
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
-    tw, ti = _routing(t, e, k, False)
+    tw, ti = routing(t, e, k, False)
     a13, a2 = GlobalScale.of(x).to("cuda"), GlobalScale.from_amax(24.0).to("cuda")
     a13_enc, a2_enc = a13.enc.reshape(1), a2.enc.reshape(1)
     plan = as_gluon(plan_for(x, w13.codes, w2.codes, ti, w4a4=True), i)
@@ -312,3 +242,26 @@ def test_w4a4_gluon_plan_through_the_flow():
     g4.gluon_moe_w4a4_down(ic, isf, w2.codes, w2.scales, d2, a2_enc, tw, align, det, deterministic=True,
                            block_n=64, **kw)
     torch.testing.assert_close(out, moe_sum(det, k, torch.empty_like(x)), atol=0, rtol=0)
+
+
+def _tile_of(plan) -> str:
+    """The W4A4_TILES entry a dispatch plan runs (gate_up and down share block_m, block_k, warps and stages)."""
+    key = (plan.block_m, plan.gate_up.block_n, plan.down.block_n, plan.down.block_k, plan.down.num_warps,
+           plan.down.num_stages, plan.down.persistent, plan.down.epilogue_warps)
+    return next(name for name, tile in W4A4_TILES.items() if tile == key)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [64, 256], ids=["64-per-expert", "256-per-expert"])
+@pytest.mark.parametrize("name", ["qwen3-235b-a22b", "deepseek-v3", "qwen3-next-80b"])
+def test_w4a4_dispatch_tiles_real_shapes(name, m):
+    # The sm_120 dispatch's Gluon plan for the other checkpoints of issue 5 at BLOCK_M 64 and 128 (Qwen3-Next:
+    # I = 512, so its persistent down GEMM runs with epilogue warps), against the references.
+    from vllm_nvfp4_sm120.dispatch.moe import as_gluon, select_moe_plan
+
+    h, i, e, k = SHAPES[name]
+    t = -(-m * e // k)
+    plan = as_gluon(select_moe_plan((12, 0), num_tokens=t, top_k=k, global_experts=e, hidden=h, intermediate=i,
+                                    w4a4=True), i)
+    assert plan.block_m == (64 if m == 64 else 128)
+    _check_layer(name, t, False, _tile_of(plan))
