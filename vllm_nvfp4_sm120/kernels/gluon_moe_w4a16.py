@@ -38,6 +38,7 @@ import triton
 
 from .gluon_compat import HAS_GLUON, ampere, gl, gluon, hopper, mbarrier_expect, require_gluon, tma_async_load
 from .moe_align import MoeAlignment
+from .moe_w4a16 import gated_activation_f32
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 LOADER_WARPS = 1
@@ -271,30 +272,36 @@ if HAS_GLUON:
                         acc1 = ampere.mma_v2(a, b1, acc1)
                     it += 1
 
-                route = gl.load(sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA)))
-                row_ok = route < R
-                cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
-                mask = row_ok[:, None] & (cols < N)[None, :]
                 dec = gl.load(w_dec_ptr + gl.load(expert_ids_ptr + pid_m))
                 if GATED:
-                    gate = acc0 * dec
-                    up = acc1 * dec
-                    if ACTIVATION == "silu":
-                        g = gate / (1.0 + gl.exp(-gate))
-                    else:
-                        gl.static_assert(ACTIVATION == "gelu_tanh", "ACTIVATION must be 'silu' or 'gelu_tanh'")
-                        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-                        g = 0.5 * gate * (2.0 - 2.0 / (gl.exp(2.0 * inner) + 1.0))
+                    route = gl.load(sorted_ids_ptr + pid_m * BLOCK_M
+                                    + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA)))
+                    cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
+                    mask = (route < R)[:, None] & (cols < N)[None, :]
+                    inter = gated_activation_f32(acc0 * dec, acc1 * dec, ACTIVATION)
                     ptrs = out_ptr + route[:, None].to(gl.int64) * stride_om + cols[None, :]
-                    gl.store(ptrs, (g * up).to(out_ptr.dtype.element_ty), mask=mask)
+                    gl.store(ptrs, inter.to(out_ptr.dtype.element_ty), mask=mask)
                 else:
-                    weight = gl.load(topk_w_ptr + route, mask=row_ok, other=0.0)
-                    y = (acc0 * dec) * weight[:, None]
-                    if DETERMINISTIC:
-                        gl.store(out_ptr + route[:, None].to(gl.int64) * stride_om + cols[None, :], y, mask=mask)
-                    else:
-                        ptrs = out_ptr + (route // top_k)[:, None].to(gl.int64) * stride_om + cols[None, :]
-                        gl.atomic_add(ptrs, y, mask=mask, sem="relaxed")
+                    down_epilogue(acc0, dec, topk_w_ptr, out_ptr, sorted_ids_ptr, pid_m, pid_n, R, N, top_k,
+                                  stride_om, DETERMINISTIC, BLOCK_M, BLOCK_N)
+
+    @gluon.jit
+    def down_epilogue(acc, alpha, topk_w_ptr, out_ptr, sorted_ids_ptr, pid_m, pid_n, R, N, top_k, stride_om,
+                      DETERMINISTIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """``routing weight x alpha x acc`` of one down-GEMM tile, in ``acc``'s layout → fp32 atomics into
+        ``[T, H]``, or the route's own row of ``[R, H]`` (deterministic).  Shared with the W4A4 kernels."""
+        L: gl.constexpr = acc.type.layout
+        route = gl.load(sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L)))
+        row_ok = route < R
+        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, L))
+        mask = row_ok[:, None] & (cols < N)[None, :]
+        weight = gl.load(topk_w_ptr + route, mask=row_ok, other=0.0)
+        y = (acc * alpha) * weight[:, None]
+        if DETERMINISTIC:
+            gl.store(out_ptr + route[:, None].to(gl.int64) * stride_om + cols[None, :], y, mask=mask)
+        else:
+            ptrs = out_ptr + (route // top_k)[:, None].to(gl.int64) * stride_om + cols[None, :]
+            gl.atomic_add(ptrs, y, mask=mask, sem="relaxed")
 
     @gluon.jit
     def _gluon_moe_w4a16_kernel(

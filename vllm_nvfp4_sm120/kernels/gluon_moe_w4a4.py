@@ -99,7 +99,7 @@ def smem_bytes(gated: bool, block_m: int, block_n: int, block_k: int, stages: in
 
 if HAS_GLUON:
     from .gluon_gemv import DECODE_PORTABLE
-    from .gluon_moe_w4a16 import _decode_tile, _tile_coords, _tile_range
+    from .gluon_moe_w4a16 import _decode_tile, _tile_coords, _tile_range, down_epilogue
 
     # ---- loader: weight codes (TMA or pointers), weight scales, gathered activation codes + scales ----------
     @gluon.jit
@@ -264,32 +264,13 @@ if HAS_GLUON:
                     ampere.mbarrier.arrive(acc_ready)
                     tc += 1
                 else:
-                    _down_epilogue(acc0, w_dec_ptr, a_enc_ptr, topk_w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr,
-                                   pid_m, pid_n, R, N, top_k, stride_om, DETERMINISTIC, BLOCK_M, BLOCK_N)
+                    down_epilogue(acc0, _alpha(w_dec_ptr, a_enc_ptr, expert_ids_ptr, pid_m), topk_w_ptr, out_ptr,
+                                  sorted_ids_ptr, pid_m, pid_n, R, N, top_k, stride_om, DETERMINISTIC, BLOCK_M, BLOCK_N)
 
     @gluon.jit
     def _alpha(w_dec_ptr, a_enc_ptr, expert_ids_ptr, pid_m):
         # As the reference forms it: weight decode x input decode (1 / enc, IEEE division).
         return gl.load(w_dec_ptr + gl.load(expert_ids_ptr + pid_m)) * tl.div_rn(1.0, gl.load(a_enc_ptr))
-
-    @gluon.jit
-    def _down_epilogue(acc, w_dec_ptr, a_enc_ptr, topk_w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, pid_m, pid_n,
-                       R, N, top_k, stride_om, DETERMINISTIC: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr):
-        """``routing weight x alpha x acc`` of one down tile, in ``acc``'s layout → fp32 atomics into ``[T, H]``, or
-        the route's own row of ``[R, H]`` (deterministic)."""
-        L: gl.constexpr = acc.type.layout
-        route = gl.load(sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L)))
-        row_ok = route < R
-        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, L))
-        mask = row_ok[:, None] & (cols < N)[None, :]
-        weight = gl.load(topk_w_ptr + route, mask=row_ok, other=0.0)
-        y = (acc * _alpha(w_dec_ptr, a_enc_ptr, expert_ids_ptr, pid_m)) * weight[:, None]
-        if DETERMINISTIC:
-            gl.store(out_ptr + route[:, None].to(gl.int64) * stride_om + cols[None, :], y, mask=mask)
-        else:
-            ptrs = out_ptr + (route // top_k)[:, None].to(gl.int64) * stride_om + cols[None, :]
-            gl.atomic_add(ptrs, y, mask=mask, sem="relaxed")
 
     # ---- epilogue warps (down GEMM, EPILOGUE_WARPS > 0) -----------------------------------------------------
     @gluon.jit
@@ -313,8 +294,8 @@ if HAS_GLUON:
                 gl.barrier()
                 ampere.mbarrier.arrive(acc_empty)
                 tc += 1
-                _down_epilogue(acc, w_dec_ptr, a_enc_ptr, topk_w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr,
-                               pid_m, pid_n, R, N, top_k, stride_om, DETERMINISTIC, BLOCK_M, BLOCK_N)
+                down_epilogue(acc, _alpha(w_dec_ptr, a_enc_ptr, expert_ids_ptr, pid_m), topk_w_ptr, out_ptr,
+                              sorted_ids_ptr, pid_m, pid_n, R, N, top_k, stride_om, DETERMINISTIC, BLOCK_M, BLOCK_N)
 
     @gluon.jit
     def _gate_up_epilogue(gate, up, q_enc_ptr, out_ptr, out_sf_ptr, sorted_ids_ptr, pid_m, pid_n, R, N,
