@@ -175,14 +175,17 @@ def _compile_moe() -> str:
     w4 = _landed("kernels.moe_w4a4", "MOE_W4A4_GATE_UP_SIGNATURE", "MOE_W4A4_GATE_UP_DIVISIBLE")
     w16 = _landed("kernels.moe_w4a16", "MOE_W4A16_DOWN_SIGNATURE", "MOE_W4A16_DOWN_DIVISIBLE", "tma_signature")
     shape = dict(top_k=8, global_experts=128, hidden=2048, intermediate=768)  # a Qwen3-30B-A3B layer
-    p4 = plan_mod.select_moe_plan((12, 0), num_tokens=4096, w4a4=True, **shape)
+    # 32 routes per expert: a BLOCK_M tier the Triton W4A4 kernels serve on sm_120 (64 / 128 go to Gluon).
+    p4 = plan_mod.select_moe_plan((12, 0), num_tokens=512, w4a4=True, **shape)
     t = p4.gate_up
     gate_up = compile_kernel(
         "vllm_nvfp4_sm120.kernels.moe_w4a4:_moe_w4a4_gate_up_kernel", w4.MOE_W4A4_GATE_UP_SIGNATURE,
-        dict(DECODE=False, ACTIVATION="silu", BLOCK_M=p4.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-             GROUP_M=t.group_m),
+        dict(DECODE=False, ACTIVATION="silu", NATIVE_E4M3=True, NATIVE_E2M1=True, BLOCK_M=p4.block_m,
+             BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m),
         divisible=w4.MOE_W4A4_GATE_UP_DIVISIBLE, num_warps=t.num_warps, num_stages=t.num_stages)
-    gate_up.require_sass(SASS_OMMA_NVFP4).require_no_local().require_smem()
+    gate_up.require_sass(SASS_OMMA_NVFP4).require_ptx(r"cvt\.rn\.satfinite\.e2m1x2\.f32")
+    gate_up.require_no_local().require_smem()
+    assert p4.backend == "triton", p4
     p16 = plan_mod.select_moe_plan((12, 0), num_tokens=1, w4a4=False, **shape)
     d = p16.down
     sig, div = w16.MOE_W4A16_DOWN_SIGNATURE, list(w16.MOE_W4A16_DOWN_DIVISIBLE)
@@ -216,19 +219,26 @@ def _compile_gluon_gemv() -> str:
     return rep.summary()
 
 
-@check("compile", "Gluon warp-specialized MoE W4A4 gate_up → OMMA + TMA + setmaxnreg (sm_120)")
+@check("compile", "Gluon warp-specialized MoE W4A4 gate_up + persistent down with epilogue warps → OMMA, TMA, "
+                  "setmaxnreg, cvt e2m1x2 (sm_120)")
 def _compile_gluon_moe_w4a4() -> str:
     from .kernels import gluon_moe_w4a4 as g4
     from .kernels.aot import PTX_TMA_LOAD, SASS_OMMA_NVFP4, compile_kernel
 
-    consts = dict(GATED=True, ACTIVATION="silu", DETERMINISTIC=False, USE_TMA=True, DECODE=False, PERSISTENT=False,
-                  STAGES=3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, MMA_WARPS_M=2)
-    rep = compile_kernel("vllm_nvfp4_sm120.kernels.gluon_moe_w4a4:_gluon_moe_w4a4_kernel",
-                         g4.signature(True, True, 64, 128), consts, divisible=g4.divisible(True), gluon=True,
-                         num_warps=4)
-    rep.require_sass(SASS_OMMA_NVFP4).require_ptx(PTX_TMA_LOAD).require_ptx("setmaxnreg")
-    rep.require_no_local().require_smem()
-    return rep.summary()
+    done = []
+    for gated in (True, False):
+        consts = dict(GATED=gated, ACTIVATION="silu", DETERMINISTIC=False, USE_TMA=True, DECODE=False,
+                      PERSISTENT=not gated, EPILOGUE_WARPS=0 if gated else g4.EPILOGUE_WARPS, STAGES=3, BLOCK_M=64,
+                      BLOCK_N=64, BLOCK_K=128, GROUP_M=8, MMA_WARPS_M=2)
+        rep = compile_kernel("vllm_nvfp4_sm120.kernels.gluon_moe_w4a4:_gluon_moe_w4a4_kernel",
+                             g4.signature(gated, True, 64, 128), consts, divisible=g4.divisible(True), gluon=True,
+                             num_warps=4)
+        rep.require_sass(SASS_OMMA_NVFP4).require_ptx(PTX_TMA_LOAD).require_ptx("setmaxnreg")
+        rep.require_no_local().require_smem()
+        if gated:  # the intermediate's e2m1 rounding by the hardware convert
+            rep.require_ptx(r"cvt\.rn\.satfinite\.e2m1x2\.f32")
+        done.append(rep.summary())
+    return "; ".join(done)
 
 
 # ---- on this GPU ------------------------------------------------------------------------------------------------

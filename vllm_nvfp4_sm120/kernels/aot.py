@@ -138,7 +138,12 @@ def compile_kernel(
     ``signature`` maps every argument to a Triton type (``"*u8"``, ``"i32"``, ``"constexpr"``, ...);
     ``constexprs`` gives the constexpr values.  ``divisible`` names the arguments the JIT would mark divisible by
     16 (default: every pointer).  Raises :class:`CompileError` if the compiler fails or aborts.
+    Every ``constexpr`` of ``signature`` needs a value: one left out would compile as ``None``, i.e. silently check
+    a different variant of the kernel than the one that runs.
     """
+    missing = [k for k, v in signature.items() if v == "constexpr" and k not in (constexprs or {})]
+    if missing:
+        raise ValueError(f"constexprs: no value for {missing} of {kernel}")
     spec = {
         "kernel": kernel,
         "signature": dict(signature),
