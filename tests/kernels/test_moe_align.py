@@ -43,8 +43,8 @@ def test_align_uniform(t, top_k, num_experts, block_m, gen):
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_align_skewed_and_expert_map(dtype, gen):
     # Every token on the same 3 experts (the worst case for padding), global ids mapped to a rank's local ones.
-    t, top_k, global_e = 40, 3, 12
-    ids = torch.tensor([[5, 0, 11]] * t, dtype=dtype)
+    t, global_e = 40, 12
+    ids = torch.tensor([[5, 0, 11]] * t, dtype=dtype)  # top_k = 3
     expert_map = torch.full((global_e,), -1, dtype=torch.int32)
     expert_map[[0, 3, 5, 7]] = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
     align = moe_align(ids, 4, 16, expert_map=expert_map)

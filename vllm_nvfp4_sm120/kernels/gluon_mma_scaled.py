@@ -121,7 +121,7 @@ def sm120_scaled_layouts(block_m: int, block_n: int, block_k: int, warps_per_cta
 
 
 if HAS_GLUON:
-    from triton.experimental.gluon.language._core import _unwrap_if_constexpr, builtin
+    from triton.experimental.gluon.language._core import builtin
 
     @builtin
     def mma_scaled_sm120(a, a_scale, b, b_scale, acc, _semantic=None):
