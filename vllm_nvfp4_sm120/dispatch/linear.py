@@ -66,10 +66,12 @@ _W4A16_DEQUANT_MM = _p("w4a16_dequant_mm")
 # Smallest T that the w4a16 route sends to dequant + cuBLAS, per architecture family.  Below it the Triton GEMM
 # decodes the weight once per 128-row tile of x, which is cheap for few tiles; above it that repeated decode
 # limits the GEMM, while decoding once into a scratch costs a fixed ~2.5 bytes per weight.  H200 (docs/
-# benchmarks.md): at T = 128 the Triton GEMM is 1.1-1.3x faster, at T = 512 dequant + cuBLAS is 2-3x faster, at
-# 2048 / 8192 0.76-0.89x / 0.95-1.05x cuBLAS bf16 (Triton GEMM 0.24-0.35x).  sm_120: not measured; the same value.
+# benchmarks.md): at T = 128 the Triton GEMM is faster on 5 of 8 Qwen3-32B / Llama-3.3-70B linears, at T = 192
+# dequant + cuBLAS on all 8 (1.0-2.2x), at 2048 / 8192 it reaches 0.80-0.86x / 0.90-1.00x cuBLAS bf16.  sm_120:
+# unmeasured; kept higher because there the in-register decode costs relatively less (mma.sync peak ~1/5 of the
+# H200's wgmma) and the scratch's DRAM traffic relatively more (1.8 TB/s).
 DEQUANT_MM_MIN_T_SM120 = 256
-DEQUANT_MM_MIN_T_PORTABLE = 256
+DEQUANT_MM_MIN_T_PORTABLE = 160
 
 
 def _w4a16_rows(dequant_mm_min_t: int) -> list[Row]:
