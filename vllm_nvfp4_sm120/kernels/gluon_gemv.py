@@ -43,6 +43,7 @@ import torch
 import triton
 
 from .gluon_compat import HAS_GLUON, ampere, gl, gluon, ptx_isa_version, require_gluon
+from .w4a16_linear import check_linear_inputs, trivial_linear_output
 
 # ---------------------------------------------------------------------------------------------------------------
 # e2m1 decode: inline PTX, 4 code bytes in ($4) -> 4 registers out ($0..$3), output i = byte i as a 16-bit pair.
@@ -374,29 +375,13 @@ def default_decode(device: torch.device, dtype: torch.dtype = torch.bfloat16) ->
     return decode_for(major, dtype, ptx_isa_version(major * 10) if major >= 10 else 0)
 
 
-def _check_gemv_args(x, w_codes, w_scales, w_dec_rows, bias, out):
-    from ..format.checks import ACT_DTYPES, as_e4m3, check_tensor
+def _check_gemv_args(fn, x, w_codes, w_scales, w_dec_rows, bias, out):
+    """The linear launchers' checks; the Gluon kernels also want the bias in x's dtype."""
+    from ..format.checks import check_tensor
 
-    check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
-    check_tensor("w_codes", w_codes, dtype=torch.uint8, ndim=2, last_dim_contiguous=True)
-    t, k = x.shape
-    n = w_codes.shape[0]
-    if k % 16:
-        raise ValueError(f"x: K = {k} must be a multiple of 16 (the NVFP4 block size)")
-    check_tensor("w_codes", w_codes, shape=[n, k // 2])
-    w_scales = as_e4m3("w_scales", w_scales)
-    check_tensor("w_scales", w_scales, shape=[n, k // 16], last_dim_contiguous=True)
-    check_tensor("w_dec_rows", w_dec_rows, dtype=torch.float32, shape=[n])
-    if w_dec_rows.stride(0) != 1 and n > 1:
-        raise ValueError(f"w_dec_rows: must be contiguous, got stride {w_dec_rows.stride()}")
+    t, n, k, w_scales, out = check_linear_inputs(fn, x, w_codes, w_scales, w_dec_rows, bias, out)
     if bias is not None:
-        check_tensor("bias", bias, dtype=x.dtype, shape=[n])
-        if bias.stride(0) != 1 and n > 1:
-            raise ValueError(f"bias: must be contiguous, got stride {bias.stride()}")
-    if out is None:
-        out = torch.empty((t, n), dtype=x.dtype, device=x.device)
-    else:
-        check_tensor("out", out, dtype=x.dtype, shape=[t, n], last_dim_contiguous=True)
+        check_tensor("bias", bias, dtype=x.dtype)
     return t, n, k, w_scales, out
 
 
@@ -404,9 +389,9 @@ def gemv_fma(x, w_codes, w_scales, w_dec_rows, *, bias=None, tile: FmaTile | Non
              decode: int | None = None, out=None):
     """``(x @ W^T) * w_dec_rows (+ bias)`` on CUDA cores; meant for T <= 2 (any T works, in blocks of tile.block_t)."""
     require_gluon("gemv_fma")
-    t, n, k, w_scales, out = _check_gemv_args(x, w_codes, w_scales, w_dec_rows, bias, out)
-    if t == 0 or n == 0:
-        return out
+    t, n, k, w_scales, out = _check_gemv_args("gemv_fma", x, w_codes, w_scales, w_dec_rows, bias, out)
+    if (done := trivial_linear_output(out, k, w_dec_rows, bias)) is not None:
+        return done
     tile = tile or FmaTile(block_t=min(t, 2), rows_per_warp=1, num_warps=4)
     decode = default_decode(x.device, x.dtype) if decode is None else decode
     grid = (triton.cdiv(n, tile.block_n), triton.cdiv(t, tile.block_t))
@@ -423,9 +408,9 @@ def gemv_mma(x, w_codes, w_scales, w_dec_rows, *, bias=None, tile: MmaTile | Non
              decode: int | None = None, out=None):
     """``(x @ W^T) * w_dec_rows (+ bias)`` on tensor cores (bf16/fp16 mma.sync); meant for T <= 32."""
     require_gluon("gemv_mma")
-    t, n, k, w_scales, out = _check_gemv_args(x, w_codes, w_scales, w_dec_rows, bias, out)
-    if t == 0 or n == 0:
-        return out
+    t, n, k, w_scales, out = _check_gemv_args("gemv_mma", x, w_codes, w_scales, w_dec_rows, bias, out)
+    if (done := trivial_linear_output(out, k, w_dec_rows, bias)) is not None:
+        return done
     tile = tile or MmaTile(block_t=8 if t <= 8 else 16 if t <= 16 else 32, num_warps=4)
     decode = default_decode(x.device, x.dtype) if decode is None else decode
     grid = (triton.cdiv(n, tile.block_m), triton.cdiv(t, tile.block_t))

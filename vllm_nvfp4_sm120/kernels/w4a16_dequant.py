@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .fp4_decode import e2m1x2_to_16bit, e4m3_to_f32
-from .w4a16_linear import _check_inputs, _empty_k, _interpreting
+from .w4a16_linear import _interpreting, check_linear_inputs, trivial_linear_output
 
 # One dequant program writes BLOCK_R x BLOCK_K outputs: with 4 warps each thread loads one 16-byte vector of codes
 # and stores 64 contiguous bytes, and a chunk of a few hundred rows still gives several programs per SM.
@@ -181,15 +181,11 @@ def w4a16_dequant_mm(
     """
     import torch
 
-    t, n, k, w_scales = _check_inputs("w4a16_dequant_mm", x, w_codes, w_scales, w_dec_rows, bias, out)
+    t, n, k, w_scales, out = check_linear_inputs("w4a16_dequant_mm", x, w_codes, w_scales, w_dec_rows, bias, out)
     if not isinstance(chunk_n, int) or chunk_n < 1:
         raise ValueError(f"w4a16_dequant_mm: chunk_n must be a positive int, got {chunk_n!r}")
-    if out is None:
-        out = torch.empty((t, n), dtype=x.dtype, device=x.device)
-    if t == 0 or n == 0:
-        return out
-    if k == 0:
-        return _empty_k(out, w_dec_rows, bias)
+    if (done := trivial_linear_output(out, k, w_dec_rows, bias)) is not None:
+        return done
     if fast_decode is None:
         fast_decode = not _interpreting()
     chunk_n = min(chunk_n, n)

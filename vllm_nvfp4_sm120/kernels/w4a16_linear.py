@@ -286,7 +286,9 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _check_inputs(fn: str, x, w_codes, w_scales, w_dec_rows, bias, out):
+def check_linear_inputs(fn: str, x, w_codes, w_scales, w_dec_rows, bias, out):
+    """The argument checks of every NVFP4 linear launcher (Triton, Gluon, dequant + cuBLAS):
+    ``(T, N, K, w_scales as e4m3, out)``, ``out`` allocated here when not given."""
     import torch
 
     from ..format.checks import ACT_DTYPES, as_e4m3, check_tensor
@@ -310,9 +312,20 @@ def _check_inputs(fn: str, x, w_codes, w_scales, w_dec_rows, bias, out):
     for name, tensor in (("w_codes", w_codes), ("w_scales", w_scales), ("w_dec_rows", w_dec_rows), ("bias", bias)):
         if tensor is not None and tensor.device != x.device:
             raise ValueError(f"{name}: expected a tensor on {x.device} (where x is), got {tensor.device}")
-    if out is not None:
-        check_tensor("out", out, dtype=x.dtype, shape=[t, n], last_dim_contiguous=True, device=x.device)
-    return t, n, k, w_scales
+    if out is None:
+        out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    check_tensor("out", out, dtype=x.dtype, shape=[t, n], last_dim_contiguous=True, device=x.device)
+    return t, n, k, w_scales, out
+
+
+def trivial_linear_output(out, k: int, w_dec_rows, bias):
+    """What a linear launcher returns without launching, else None: T = 0 or N = 0 (the empty ``out``), K = 0
+    (the product is empty; only the bias remains)."""
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        return out.zero_() if bias is None else out.copy_(bias.to(out.dtype).expand_as(out))
+    return None
 
 
 def w4a16_gemv(
@@ -340,15 +353,11 @@ def w4a16_gemv(
     """
     import torch
 
-    t, n, k, w_scales = _check_inputs("w4a16_gemv", x, w_codes, w_scales, w_dec_rows, bias, out)
+    t, n, k, w_scales, out = check_linear_inputs("w4a16_gemv", x, w_codes, w_scales, w_dec_rows, bias, out)
     if block_k % 64 or block_n % 16 or block_n < 16:
         raise ValueError(f"w4a16_gemv: block_k ({block_k}) must be a multiple of 64 and block_n ({block_n}) of 16")
-    if out is None:
-        out = torch.empty((t, n), dtype=x.dtype, device=x.device)
-    if t == 0 or n == 0:
-        return out
-    if k == 0:
-        return _empty_k(out, w_dec_rows, bias)
+    if (done := trivial_linear_output(out, k, w_dec_rows, bias)) is not None:
+        return done
     if fast_decode is None:
         fast_decode = not _interpreting()
     if split_k is None:
@@ -391,13 +400,6 @@ def check_tensor_ws(workspace, numel: int, device) -> None:
         )
 
 
-def _empty_k(out, w_dec_rows, bias):
-    # K = 0: the product is empty; only the bias remains.
-    if bias is None:
-        return out.zero_()
-    return out.copy_(bias.to(out.dtype).expand_as(out))
-
-
 def w4a16_gemm(
     x,
     w_codes,
@@ -424,15 +426,11 @@ def w4a16_gemm(
     """
     import torch
 
-    t, n, k, w_scales = _check_inputs("w4a16_gemm", x, w_codes, w_scales, w_dec_rows, bias, out)
+    t, n, k, w_scales, out = check_linear_inputs("w4a16_gemm", x, w_codes, w_scales, w_dec_rows, bias, out)
     if block_k % 16 or block_k < 16 or block_m < 16 or block_n < 16:
         raise ValueError(f"w4a16_gemm: block_m/n/k ({block_m}, {block_n}, {block_k}) must be >= 16, block_k % 16 == 0")
-    if out is None:
-        out = torch.empty((t, n), dtype=x.dtype, device=x.device)
-    if t == 0 or n == 0:
-        return out
-    if k == 0:
-        return _empty_k(out, w_dec_rows, bias)
+    if (done := trivial_linear_output(out, k, w_dec_rows, bias)) is not None:
+        return done
     if fast_decode is None:
         fast_decode = not _interpreting()
     grid = (triton.cdiv(t, block_m) * triton.cdiv(n, block_n),)
