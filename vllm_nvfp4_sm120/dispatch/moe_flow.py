@@ -14,9 +14,8 @@ import torch
 
 from ..format import GlobalScale, NvFp4, moe_ref
 from ..format.checks import ACT_DTYPES, check_tensor
+from ..format.reference import ACTIVATIONS
 from .moe import MoePlan, select_moe_plan
-
-ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:

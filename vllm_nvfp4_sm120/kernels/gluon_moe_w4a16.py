@@ -40,7 +40,6 @@ from .gluon_compat import HAS_GLUON, ampere, gl, gluon, hopper, mbarrier_expect,
 from .moe_align import MoeAlignment
 from .moe_w4a16 import gated_activation_f32
 
-ACTIVATIONS = ("silu", "gelu_tanh")
 LOADER_WARPS = 1
 DECODE_WARPS = 4
 LOADER_REGS = 40  # TMA: a few scalars
@@ -434,24 +433,9 @@ def gluon_moe_w4a16_gate_up(
     and ignored (Gluon always decodes with inline PTX; ``decode`` picks cvt vs the portable table, default by GPU).
     """
     require_gluon("gluon_moe_w4a16_gate_up")
-    import torch
+    from .moe_w4a16 import check_gate_up_inputs
 
-    from ..format.checks import ACT_DTYPES, check_tensor
-    from .moe_w4a16 import _check_bank
-
-    check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
-    t, h = x.shape
-    w_sf, _, two_i, _ = _check_bank("w13", w13_codes, w13_scales, w13_dec, None, h)
-    if two_i % 32:
-        raise ValueError(f"w13_codes: 2I = {two_i} rows must be gate and up halves of I % 16 == 0")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-    i, r = two_i // 2, align.num_routes
-    if r != t * align.top_k:
-        raise ValueError(f"align: built for {r} routes, x has {t} tokens x top_k {align.top_k}")
-    if out is None:
-        out = torch.empty((r, i), dtype=x.dtype, device=x.device)
-    check_tensor("out", out, dtype=x.dtype, shape=[r, i], last_dim_contiguous=True)
+    w_sf, h, i, r, out = check_gate_up_inputs(x, w13_codes, w13_scales, w13_dec, align, activation, out)
     if r == 0:
         return out
     # The TMA view is [E * 2I, H/2]: gate rows at e*2I + n, up rows at e*2I + I + n (the kernel's NB * N rows).

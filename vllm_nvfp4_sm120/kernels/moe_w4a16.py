@@ -27,10 +27,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..format.reference import ACTIVATIONS
 from .fp4_decode import dequant_rows_16bit
 from .moe_align import MoeAlignment, moe_block_rows, moe_route_store
 
-ACTIVATIONS = ("silu", "gelu_tanh")
 
 _COMMON = {
     "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32",
@@ -255,24 +255,7 @@ def moe_w4a16_gate_up(
 
     Rows of routes that no local expert takes are left unwritten (the down GEMM never reads them).
     """
-    import torch
-
-    from ..format.checks import ACT_DTYPES, check_tensor
-
-    check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
-    t, h = x.shape
-    w_sf, _, two_i, _ = _check_bank("w13", w13_codes, w13_scales, w13_dec, None, h)
-    if two_i % 32:
-        raise ValueError(f"w13_codes: 2I = {two_i} rows must be gate and up halves of I % 16 == 0")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-    i = two_i // 2
-    r = align.num_routes
-    if r != t * align.top_k:
-        raise ValueError(f"align: built for {r} routes, x has {t} tokens x top_k {align.top_k}")
-    if out is None:
-        out = torch.empty((r, i), dtype=x.dtype, device=x.device)
-    check_tensor("out", out, dtype=x.dtype, shape=[r, i], last_dim_contiguous=True)
+    w_sf, h, i, r, out = check_gate_up_inputs(x, w13_codes, w13_scales, w13_dec, align, activation, out)
     if r == 0:
         return out
     grid = (align.max_blocks * triton.cdiv(i, block_n),)
@@ -286,6 +269,37 @@ def moe_w4a16_gate_up(
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def check_gate_up_bank(w13_codes, w13_scales, w13_dec, h: int, activation: str, align, t: int, x_name: str):
+    """The checks every gate_up launcher shares (W4A16 and W4A4, Triton and Gluon): the w13 bank for hidden size
+    ``h``, the activation, and an alignment built for ``t`` tokens of ``x_name``.  Returns ``(w13 scales as e4m3,
+    I, routes)``."""
+    w_sf, _, two_i, _ = _check_bank("w13", w13_codes, w13_scales, w13_dec, None, h)
+    if two_i % 32:
+        raise ValueError(f"w13_codes: 2I = {two_i} rows must be gate and up halves of I % 16 == 0")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    r = align.num_routes
+    if r != t * align.top_k:
+        raise ValueError(f"align: built for {r} routes, {x_name} has {t} tokens x top_k {align.top_k}")
+    return w_sf, two_i // 2, r
+
+
+def check_gate_up_inputs(x, w13_codes, w13_scales, w13_dec, align, activation, out):
+    """The W4A16 gate_up launchers' argument checks (Triton and Gluon); allocates the intermediate if not given.
+    Returns ``(w13 scales as e4m3, H, I, routes, out)``."""
+    import torch
+
+    from ..format.checks import ACT_DTYPES, check_tensor
+
+    check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
+    t, h = x.shape
+    w_sf, i, r = check_gate_up_bank(w13_codes, w13_scales, w13_dec, h, activation, align, t, "x")
+    if out is None:
+        out = torch.empty((r, i), dtype=x.dtype, device=x.device)
+    check_tensor("out", out, dtype=x.dtype, shape=[r, i], last_dim_contiguous=True)
+    return w_sf, h, i, r, out
 
 
 def check_down_inputs(inter, w2_codes, w2_scales, w2_dec, topk_weights, align, out, deterministic):

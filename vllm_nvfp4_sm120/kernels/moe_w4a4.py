@@ -29,7 +29,7 @@ import triton.language as tl
 from .act_quant import has_native_e2m1, quantize_act_nvfp4, quantize_blocks_nvfp4
 from .fp4_decode import expand_scales_f32, unpack_rows_f32
 from .moe_align import MoeAlignment, moe_block_rows, moe_route_store
-from .moe_w4a16 import ACTIVATIONS, _check_bank, gated_activation_f32
+from .moe_w4a16 import _check_bank, check_gate_up_bank, gated_activation_f32
 
 # ---------------------------------------------------------------------------------------------------------------
 # Grouped FP4 x FP4 GEMMs
@@ -226,14 +226,7 @@ def check_gate_up_inputs(a_codes, a_scales, w13_codes, w13_scales, w13_dec, alig
     h = 2 * hh
     check_tensor("a_scales", a_scales, dtype=(torch.uint8, torch.float8_e4m3fn), shape=[t, h // 16],
                  last_dim_contiguous=True)
-    w_sf, _, two_i, _ = _check_bank("w13", w13_codes, w13_scales, w13_dec, None, h)
-    if two_i % 32:
-        raise ValueError(f"w13_codes: 2I = {two_i} rows must be gate and up halves of I % 16 == 0")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-    i, r = two_i // 2, align.num_routes
-    if r != t * align.top_k:
-        raise ValueError(f"align: built for {r} routes, a_codes has {t} tokens x top_k {align.top_k}")
+    w_sf, i, r = check_gate_up_bank(w13_codes, w13_scales, w13_dec, h, activation, align, t, "a_codes")
     if out_codes is None:
         out_codes = torch.empty((r, i // 2), dtype=torch.uint8, device=a_codes.device)
     if out_scales is None:
