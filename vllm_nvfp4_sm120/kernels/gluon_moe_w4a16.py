@@ -75,13 +75,23 @@ def signature(gated: bool, use_tma: bool, block_n: int, block_k: int, dtype: str
     sig["x_ptr"] = f"*{dtype}"
     sig["out_ptr"] = f"*{dtype}" if gated else "*fp32"
     if use_tma:
-        lay = ", ".join(f"{k}={v}" for k, v in codes_smem_layout_args(block_k).items())
-        sig["w_desc"] = f"tensordesc<u8[{block_n},{block_k // 2}],NVMMASharedLayout({lay})>"
+        sig["w_desc"] = codes_desc_type(block_n, block_k)
     return sig
 
 
+def codes_desc_type(block_n: int, block_k: int) -> str:
+    """The compile-harness type of the weight-codes TMA descriptor (both Gluon MoE kernels)."""
+    lay = ", ".join(f"{k}={v}" for k, v in codes_smem_layout_args(block_k).items())
+    return f"tensordesc<u8[{block_n},{block_k // 2}],NVMMASharedLayout({lay})>"
+
+
+def divisible_args(names: list[str], use_tma: bool) -> list[str]:
+    """``names`` without the weight descriptor when it is a TMA descriptor (not a pointer to mark divisible)."""
+    return [d for d in names if not (use_tma and d == "w_desc")]
+
+
 def divisible(use_tma: bool) -> list[str]:
-    return [d for d in GLUON_MOE_W4A16_DIVISIBLE if not (use_tma and d == "w_desc")]
+    return divisible_args(GLUON_MOE_W4A16_DIVISIBLE, use_tma)
 
 
 def smem_bytes(gated: bool, block_n: int, block_k: int, stages: int) -> int:

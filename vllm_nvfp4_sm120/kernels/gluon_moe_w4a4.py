@@ -44,7 +44,7 @@ import triton.language as tl
 
 from .act_quant import quantize_blocks_nvfp4
 from .gluon_compat import HAS_GLUON, ampere, gl, gluon, hopper, mbarrier_expect, require_gluon, tma_async_load
-from .gluon_moe_w4a16 import _grid, _weight_desc, codes_smem_layout_args
+from .gluon_moe_w4a16 import _grid, _weight_desc, codes_desc_type, divisible_args
 from .moe_align import MoeAlignment
 from .moe_w4a16 import gated_activation_f32
 
@@ -80,13 +80,12 @@ def signature(gated: bool, use_tma: bool, block_n: int, block_k: int) -> dict:
     if not gated:
         sig["out_ptr"] = "*fp32"
     if use_tma:
-        lay = ", ".join(f"{k}={v}" for k, v in codes_smem_layout_args(block_k).items())
-        sig["w_desc"] = f"tensordesc<u8[{block_n},{block_k // 2}],NVMMASharedLayout({lay})>"
+        sig["w_desc"] = codes_desc_type(block_n, block_k)
     return sig
 
 
 def divisible(use_tma: bool) -> list[str]:
-    return [d for d in GLUON_MOE_W4A4_DIVISIBLE if not (use_tma and d == "w_desc")]
+    return divisible_args(GLUON_MOE_W4A4_DIVISIBLE, use_tma)
 
 
 def smem_bytes(gated: bool, block_m: int, block_n: int, block_k: int, stages: int, epilogue_warps: int = 0) -> int:
