@@ -13,11 +13,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+
+
+def _output_path_problem(path: str) -> str | None:
+    """Why a file cannot be written to ``path`` (None: it can): checked before the work that fills it."""
+    p = Path(path)
+    if p.is_dir():
+        return f"{path} is a folder"
+    if not p.parent.is_dir():
+        return f"the folder {p.parent} does not exist"
+    if not os.access(p.parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        return f"{path} is not writable"
+    return None
 
 
 def _emit_json(data, dest: str) -> None:
@@ -47,6 +60,9 @@ def _env(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from .inspect_ckpt import CheckpointError, format_report, inspect_checkpoint
 
+    if args.json not in (None, "-") and (why := _output_path_problem(args.json)) is not None:
+        print(f"error: --json {args.json}: {why}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="nvfp4-tiny-") as tmp:
         path = args.checkpoint
         if path is None:
@@ -63,6 +79,10 @@ def _inspect(args: argparse.Namespace) -> int:
             print(format_report(report, max_spreads=args.max_spreads))
         if args.json:
             _emit_json(report.to_json(), args.json)
+    if report.problems:
+        print(f"error: {len(report.problems)} problem(s) in this checkpoint (the PROBLEM lines; 'problems' in the "
+              "JSON)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -375,6 +395,8 @@ def _bench(args: argparse.Namespace) -> int:
 # ---- selftest ------------------------------------------------------------------------------------------------------
 
 def _selftest(args: argparse.Namespace) -> int:
+    import torch
+
     from . import selftest
 
     kinds = tuple(args.only.split(",")) if args.only else selftest.KINDS
@@ -382,14 +404,33 @@ def _selftest(args: argparse.Namespace) -> int:
     if unknown:
         print(f"error: --only: unknown kinds {sorted(unknown)}; choose from {','.join(selftest.KINDS)}", file=sys.stderr)
         return 2
+    if args.list:
+        print("\n".join(f"{kind:8} {name}" for kind, name, _ in selftest.selected(kinds, args.match)))
+        return 0
+    if args.only and "gpu" in kinds and not torch.cuda.is_available():
+        print("error: --only gpu: no CUDA GPU on this machine (torch.cuda.is_available() is False), so the gpu checks "
+              "cannot run; without --only, selftest runs the checks this machine can", file=sys.stderr)
+        return 2
+    if not selftest.selected(kinds, args.match):
+        print(f"error: --match {args.match!r}: none of the {len(selftest.selected(kinds))} {'/'.join(kinds)} checks "
+              "has it in its name (--list shows them)", file=sys.stderr)
+        return 2
+    if args.report and (why := _output_path_problem(args.report)) is not None:
+        print(f"error: --report {args.report}: {why} (nothing was run)", file=sys.stderr)
+        return 2
     results = selftest.run(kinds, progress=not args.quiet, match=args.match)
     print(selftest.format_table(results))
     not_run = [r for r in results if r.status == "SKIP"]
     if not_run:
         print(f"could not run here ({len(not_run)}): " + "; ".join(sorted({r.detail for r in not_run})))
     if args.report:
-        selftest.write_report(results, args.report)
-        print(f"report written to {args.report} (share it: it has the GPU, versions and every result)")
+        try:
+            selftest.write_report(results, args.report)
+        except OSError as e:
+            print(f"error: --report {args.report}: cannot write it ({e.strerror}); the table above has the results",
+                  file=sys.stderr)
+            return 2
+        print(f"report written to {args.report} (share it: it has the GPU, driver, versions and every result)")
     return 1 if any(r.status == "FAIL" for r in results) else 0
 
 
@@ -433,6 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--report", default="selftest-report.json", help="JSON report path ('' to skip)")
     st.add_argument("--match", help="only checks whose name contains this text (case-insensitive)")
     st.add_argument("--quiet", action="store_true", help="no progress line per check")
+    st.add_argument("--list", action="store_true", help="list the checks (of --only, --match) and run none")
     st.set_defaults(func=_selftest)
     return parser
 

@@ -4,7 +4,8 @@ Three kinds of check, matching the proof chain of every kernel:
   format   the torch references agree with themselves and with vLLM's emulation (CPU)
   compile  each kernel compiles for sm_120 with the intended instructions, no spills, smem ≤ 99 KB (CPU)
   gpu      each kernel available on this GPU against the torch reference (needs CUDA)
-What cannot run here is reported as SKIP with the reason, never as a pass.
+What cannot run here is reported as SKIP with the reason, never as a pass.  The JSON report adds the machine
+(:func:`environment`) and, for each failure, the whole message and its traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import platform
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -40,8 +42,10 @@ class Result:
     kind: str
     name: str
     status: str  # PASS, FAIL, SKIP
-    detail: str
+    detail: str  # one line, for the table
     seconds: float
+    message: str | None = None  # FAIL: the whole error message
+    traceback: str | None = None  # FAIL: where it was raised
 
 
 CHECKS: list[tuple[str, str, Callable[[], str]]] = []
@@ -111,31 +115,14 @@ def _compile_w4a4() -> str:
     return rep.summary()
 
 
-# Kernels other engineers are finishing: each check imports its kernel inside the function, so a kernel that has
-# not landed yet is a SKIP with the reason, never a failure of the whole selftest.
-
-def _landed(module: str, *names: str):
-    """Import ``names`` from ``vllm_nvfp4_sm120.<module>``; :class:`Skip` if the module or a name is missing."""
-    import importlib
-
-    try:
-        mod = importlib.import_module(f"vllm_nvfp4_sm120.{module}")
-    except ImportError as e:
-        raise Skip(f"{module} not available yet ({e})") from None
-    missing = [n for n in names if not hasattr(mod, n)]
-    if missing:
-        raise Skip(f"{module} lacks {missing} (not landed yet)")
-    return mod
-
-
 SASS_HMMA_BF16 = r"HMMA\.16816\.F32\.BF16"
 
 
 @check("compile", "activation quant (bf16 → NVFP4) → cvt.rn.satfinite.e4m3x2 / .e2m1x2 (sm_120)")
 def _compile_act_quant() -> str:
+    from .kernels import act_quant as m
     from .kernels.aot import compile_kernel
 
-    m = _landed("kernels.act_quant", "_act_quant_kernel", "ACT_QUANT_SIGNATURE", "ACT_QUANT_DIVISIBLE")
     rep = compile_kernel("vllm_nvfp4_sm120.kernels.act_quant:_act_quant_kernel", m.ACT_QUANT_SIGNATURE,
                          dict(SWIZZLED=False, NATIVE_E4M3=True, NATIVE_E2M1=True, BLOCK_T=8, BLOCK_K=1024),
                          divisible=m.ACT_QUANT_DIVISIBLE, num_warps=4)
@@ -146,10 +133,9 @@ def _compile_act_quant() -> str:
 
 @check("compile", "W4A16 GEMV (decode) and GEMM (prefill) → bf16 HMMA, no spills (sm_120)")
 def _compile_w4a16() -> str:
+    from .kernels import w4a16_linear as m
     from .kernels.aot import compile_kernel
 
-    m = _landed("kernels.w4a16_linear", "W4A16_GEMV_SIGNATURE", "W4A16_GEMV_DIVISIBLE", "W4A16_GEMM_SIGNATURE",
-                "W4A16_GEMM_DIVISIBLE", "W4A16_GEMV_CONFIGS", "W4A16_GEMM_CONFIGS")
     gv = m.W4A16_GEMV_CONFIGS[1]
     gemv = compile_kernel(
         "vllm_nvfp4_sm120.kernels.w4a16_linear:_w4a16_gemv_kernel", m.W4A16_GEMV_SIGNATURE,
@@ -169,11 +155,11 @@ def _compile_w4a16() -> str:
 
 @check("compile", "MoE W4A4 gate_up (OMMA) and W4A16 down (TMA) at the sm_120 plans' tiles")
 def _compile_moe() -> str:
+    from .dispatch import moe as plan_mod
+    from .kernels import moe_w4a4 as w4
+    from .kernels import moe_w4a16 as w16
     from .kernels.aot import PTX_TMA_LOAD, SASS_OMMA_NVFP4, compile_kernel
 
-    plan_mod = _landed("dispatch.moe", "select_moe_plan")
-    w4 = _landed("kernels.moe_w4a4", "MOE_W4A4_GATE_UP_SIGNATURE", "MOE_W4A4_GATE_UP_DIVISIBLE")
-    w16 = _landed("kernels.moe_w4a16", "MOE_W4A16_DOWN_SIGNATURE", "MOE_W4A16_DOWN_DIVISIBLE", "tma_signature")
     shape = dict(top_k=8, global_experts=128, hidden=2048, intermediate=768)  # a Qwen3-30B-A3B layer
     # 32 routes per expert: a BLOCK_M tier the Triton W4A4 kernels serve on sm_120 (64 / 128 go to Gluon).
     p4 = plan_mod.select_moe_plan((12, 0), num_tokens=512, w4a4=True, **shape)
@@ -204,9 +190,8 @@ def _compile_moe() -> str:
 
 @check("compile", "Gluon W4A16 GEMV (tensor cores) → cvt e2m1x2 + bf16 HMMA (sm_120)")
 def _compile_gluon_gemv() -> str:
+    from .kernels import gluon_gemv as gg
     from .kernels.aot import compile_kernel
-
-    gg = _landed("kernels.gluon_gemv", "GEMV_MMA_SIGNATURE", "GEMV_MMA_DIVISIBLE", "DECODE_CVT")
     from .kernels.gluon_compat import HAS_GLUON
 
     if not HAS_GLUON:
@@ -277,7 +262,8 @@ def _close(out: torch.Tensor, ref: torch.Tensor, what: str) -> float:
 @check("gpu", "activation quant vs torch reference (bit-exact codes and scales, linear and 128x4 layouts)")
 def _gpu_act_quant() -> str:
     dev = _need_cuda()
-    m = _landed("kernels.act_quant", "quantize_act_nvfp4")
+    from .kernels import act_quant as m
+
     gen = torch.Generator().manual_seed(3)
     # Every e2m1 rounding midpoint, saturation, -0 and tiny negatives at block scale 1 (amax 6, encode global 1):
     # on sm_120 the codes come from the hardware convert, whose rounding is checked here and nowhere else.
@@ -303,7 +289,8 @@ def _gpu_act_quant() -> str:
 @check("gpu", "W4A16 GEMV / GEMM vs torch reference (fused parts keep their own globals)")
 def _gpu_w4a16() -> str:
     dev = _need_cuda()
-    m = _landed("kernels.w4a16_linear", "w4a16_gemv", "w4a16_gemm")
+    from .kernels import w4a16_linear as m
+
     gen = torch.Generator().manual_seed(4)
     p = make_linear(384, 1024, gen=gen, logical_widths=[256, 128])
     worst = 0.0
@@ -318,7 +305,7 @@ def _gpu_w4a16() -> str:
 @check("gpu", "MoE layer (align → gate_up → down → sum) vs torch reference, W4A16 and W4A4 plans")
 def _gpu_moe() -> str:
     dev = _need_cuda()
-    flow = _landed("dispatch.moe_flow", "nvfp4_moe", "plan_for")
+    from .dispatch import moe_flow as flow
     from .format import make_moe_bank, moe_ref, topk_route
 
     gen = torch.Generator().manual_seed(5)
@@ -349,7 +336,7 @@ def _gpu_moe() -> str:
 @check("gpu", "Gluon W4A16 GEMV (CUDA-core and tensor-core tiles) vs torch reference")
 def _gpu_gluon_gemv() -> str:
     dev = _need_cuda()
-    gg = _landed("kernels.gluon_gemv", "gemv")
+    from .kernels import gluon_gemv as gg
     from .kernels.gluon_compat import ENV_DISABLE, gluon_enabled
 
     if not gluon_enabled():
@@ -371,8 +358,8 @@ def _gpu_gluon_mma_scaled() -> str:
     dev = _need_cuda()
     if torch.cuda.get_device_capability()[0] != 12:
         raise Skip("the native block-scaled MMA exists on sm_120 only")
-    ms = _landed("kernels.gluon_mma_scaled", "_mma_scaled_tile_kernel")
     from .format import random_nvfp4, unit_values
+    from .kernels import gluon_mma_scaled as ms
 
     gen = torch.Generator().manual_seed(7)
     bm, bn, bk, k = 64, 64, 128, 256
@@ -391,8 +378,7 @@ def _gpu_gluon_mma_scaled() -> str:
 @check("gpu", "Gluon MoE GEMMs (warp-specialized W4A16; W4A4 with native OMMA on sm_120) vs torch reference")
 def _gpu_gluon_moe() -> str:
     dev = _need_cuda()
-    flow = _landed("dispatch.moe_flow", "nvfp4_moe", "plan_for")
-    _landed("kernels.gluon_moe_w4a4", "gluon_moe_w4a4_gate_up", "gluon_moe_w4a4_down")
+    from .dispatch import moe_flow as flow
     from .dispatch.moe import as_gluon
     from .format import make_moe_bank, moe_ref, topk_route
     from .kernels.gluon_compat import ENV_DISABLE, gluon_enabled
@@ -432,44 +418,51 @@ def _gpu_gluon_moe() -> str:
 
 
 KINDS = ("format", "compile", "gpu")
+REPORT_ENVIRONMENT = ("package", "python", "os", "gpu", "versions", "cuda_toolkit", "flashinfer_checks", "gluon",
+                      "plugin")
+
+
+def selected(kinds: tuple[str, ...] = KINDS, match: str | None = None) -> list[tuple[str, str, Callable[[], str]]]:
+    """The checks of ``kinds`` whose name contains ``match`` (case-insensitive), in their order."""
+    return [(kind, name, fn) for kind, name, fn in CHECKS
+            if kind in kinds and (not match or match.lower() in name.lower())]
 
 
 def run(kinds: tuple[str, ...] = KINDS, *, progress: bool = False, match: str | None = None) -> list[Result]:
-    """Run the checks of ``kinds`` (and whose name contains ``match``); ``progress`` prints each name first."""
+    """Run the :func:`selected` checks; ``progress`` prints each name first."""
     results = []
-    for kind, name, fn in CHECKS:
-        if kind not in kinds or (match and match.lower() not in name.lower()):
-            continue
+    for kind, name, fn in selected(kinds, match):
         if progress:
             print(f"[{kind}] {name} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
+        message = trace = None
         try:
             status, detail = "PASS", fn()
         except Skip as e:
             status, detail = "SKIP", str(e)
         except Exception as e:  # a selftest reports every failure and goes on
-            status, detail = "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        results.append(Result(kind, name, status, detail, time.perf_counter() - t0))
+            message, trace = f"{type(e).__name__}: {e}", traceback.format_exc()
+            status, detail = "FAIL", message.splitlines()[0]
+        results.append(Result(kind, name, status, detail, time.perf_counter() - t0, message, trace))
     return results
 
 
-def environment() -> dict[str, str]:
-    import triton
+def environment() -> dict:
+    """What the report says about this machine (``envinfo.collect``): GPU and driver, CUDA (torch's build and the
+    toolkit FlashInfer would use), torch / Triton / vLLM / FlashInfer versions (vLLM's and FlashInfer's from package
+    metadata, neither is imported), Gluon on or off, the plugin switch."""
+    from . import envinfo
 
-    env = {
-        "package": __version__,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-    }
-    if torch.cuda.is_available():
-        env["capability"] = "sm_{}{}".format(*torch.cuda.get_device_capability())
-    return env
+    try:
+        info = envinfo.collect()
+    except Exception as e:  # the results matter more than the environment: keep what is known
+        return {"package": __version__, "python": platform.python_version(), "torch": torch.__version__,
+                "error": f"envinfo.collect() failed: {type(e).__name__}: {e}"}
+    return {key: info[key] for key in REPORT_ENVIRONMENT}
 
 
 def format_table(results: list[Result]) -> str:
-    width = max(len(r.name) for r in results)
+    width = max([len(r.name) for r in results], default=5)
     lines = [f"{'kind':8} {'check':{width}}  status  detail"]
     lines += [f"{r.kind:8} {r.name:{width}}  {r.status:6}  {r.detail}" for r in results]
     counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
@@ -478,5 +471,7 @@ def format_table(results: list[Result]) -> str:
 
 
 def write_report(results: list[Result], path: str) -> None:
+    counts = {s.lower(): sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
     with open(path, "w") as f:
-        json.dump({"environment": environment(), "results": [asdict(r) for r in results]}, f, indent=2)
+        json.dump({"environment": environment(), "summary": counts, "results": [asdict(r) for r in results]}, f,
+                  indent=2)

@@ -22,22 +22,33 @@ Fused parts (q/k/v, gate/up) are quantized part by part with their own global, a
 share the amax; by default the parts get different magnitudes, so their globals differ by more than 5% (the
 case the plugin warns about).  ``shared_fused_globals=True`` quantizes every fused group with one global.
 Parts that read the same input (q/k/v, gate/up) share one input scale, as calibration gives them.
+
+Other layouts published checkpoints use, each an option of :func:`write_tiny_checkpoint`: ModelOpt
+MIXED_PRECISION with FP8 (or W4A16 NVFP4) attention next to NVFP4 experts (``attention``), a
+``quantized_layers`` map that names each MoE layer once (``experts_by_layer``), an FP8 KV cache
+(``kv_cache_quant_algo``), several shards with an index (``shards``).  The tests craft broken checkpoints from these: ``tensors`` replaces or drops tensors,
+``config`` overrides ``config.json`` keys, and :func:`edit_safetensors_header` rewrites a written file's header.
 """
 
 from __future__ import annotations
 
 import json
+import struct
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from .format import GlobalScale, quantize_nvfp4
+from .format import E4M3_MAX, GlobalScale, quantize_nvfp4
 
 MODELOPT = "modelopt"
 COMPRESSED_TENSORS = "compressed-tensors"
 FORMATS = (MODELOPT, COMPRESSED_TENSORS)
 SAFETENSORS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+NVFP4, W4A16_NVFP4, FP8 = "NVFP4", "W4A16_NVFP4", "FP8"  # ModelOpt's per-layer algorithm names
+LAYER_ALGOS = (NVFP4, W4A16_NVFP4, FP8)
 
 # Specials of the byte-level tokenizer (ids 256, 257, 258 after the 256 byte tokens).
 EOS, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -64,18 +75,19 @@ _FP4_ARGS = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_
              "dynamic": False, "observer": "minmax", "actorder": None, "block_structure": None}
 
 
-def modelopt_quant_config(w4a16: bool = False, modules: list[str] | None = None) -> dict:
-    """``hf_quant_config.json`` as ModelOpt writes it (``kv_cache_quant_algo`` is mandatory for vLLM, null is fine).
+def modelopt_quant_config(layer_algos: dict[str, str], *, kv_cache_quant_algo: str | None = None) -> dict:
+    """``hf_quant_config.json`` as ModelOpt writes it for the quantized modules ``{name: algo}``.
 
-    W4A16: vLLM 0.33 accepts ``W4A16_NVFP4`` only per layer, under ``quant_algo: MIXED_PRECISION`` with a
-    ``quantized_layers`` map (a top-level ``W4A16_NVFP4`` is rejected as an unknown algo), so that is what we
-    write; ``modules`` are the quantized modules' names.
+    All NVFP4: ``quant_algo: NVFP4``.  Anything else (W4A16_NVFP4, FP8 next to NVFP4) is a ``MIXED_PRECISION``
+    config with a ``quantized_layers`` map: vLLM 0.33 accepts ``W4A16_NVFP4`` only per layer (a top-level one is
+    rejected as an unknown algo).  ``kv_cache_quant_algo`` is mandatory for vLLM (null is fine).
     """
-    quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+    quant = {"quant_algo": NVFP4, "kv_cache_quant_algo": kv_cache_quant_algo, "group_size": 16,
              "exclude_modules": ["lm_head", "model.layers.*.mlp.gate"]}
-    if w4a16:
+    if set(layer_algos.values()) != {NVFP4}:
         quant["quant_algo"] = "MIXED_PRECISION"
-        quant["quantized_layers"] = {m: {"quant_algo": "W4A16_NVFP4", "group_size": 16} for m in modules or []}
+        quant["quantized_layers"] = {m: {"quant_algo": a, **({"group_size": 16} if a != FP8 else {})}
+                                     for m, a in layer_algos.items()}
     return {"producer": {"name": "modelopt", "version": "0.29.0"}, "quantization": quant}
 
 
@@ -175,18 +187,46 @@ def _plain_tensors(shape: TinyShape, gen: torch.Generator) -> dict[str, torch.Te
     return t
 
 
+def _is_attention(group: str) -> bool:
+    return ".self_attn." in group
+
+
+def _fp8_tensors(name: str, w: torch.Tensor, input_amax: float) -> dict[str, torch.Tensor]:
+    """ModelOpt FP8 (per-tensor, static input scale): e4m3 weight and the two decode scales amax / 448."""
+    scale = w.abs().max() / E4M3_MAX
+    return {f"{name}.weight": (w / scale).to(torch.float8_e4m3fn), f"{name}.weight_scale": scale.to(torch.float32),
+            f"{name}.input_scale": torch.tensor(input_amax / E4M3_MAX, dtype=torch.float32)}
+
+
+def _group_algo(group: str, w4a16: bool, attention: str | None) -> str:
+    """The ModelOpt algorithm of a group of :func:`linear_groups`."""
+    if attention is not None and _is_attention(group):
+        return attention
+    return W4A16_NVFP4 if w4a16 else NVFP4
+
+
 def quantized_tensors(shape: TinyShape, fmt: str, *, w4a16: bool = False, shared_fused_globals: bool = False,
-                      gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """The quantized linears' tensors under ``fmt``'s names."""
+                      attention: str | None = None, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """The quantized linears' tensors under ``fmt``'s names; ``attention``: q/k/v/o's own ModelOpt algorithm
+    (FP8, NVFP4 or W4A16_NVFP4; None: as the experts)."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
+    if attention not in (None, *LAYER_ALGOS):
+        raise ValueError(f"attention: expected one of {LAYER_ALGOS} or None, got {attention!r}")
     out: dict[str, torch.Tensor] = {}
-    for _, members in linear_groups(shape):
+    for group, members in linear_groups(shape):
+        algo = _group_algo(group, w4a16, attention)
         # Different magnitudes per part, so independent globals differ (by 20-60%).
         weights = [torch.randn(n, k, generator=gen) * 0.05 * (1.0 + 0.2 * j + 0.2 * float(torch.rand((), generator=gen)))
                    for j, (_, n, k) in enumerate(members)]
         shared = GlobalScale.of(torch.cat([w.reshape(-1) for w in weights])) if shared_fused_globals else None
-        input_gs = GlobalScale.from_amax(2.0 + 6.0 * float(torch.rand((), generator=gen)))
+        input_amax = 2.0 + 6.0 * float(torch.rand((), generator=gen))
+        input_gs = GlobalScale.from_amax(input_amax)
+        if algo == FP8:
+            for (name, _, _), w in zip(members, weights):
+                out.update(_fp8_tensors(name, w, input_amax))
+            continue
+        static_input = algo == NVFP4  # W4A4: a static input scale per part (W4A16_NVFP4 has none)
         for (name, _, _), w in zip(members, weights):
             gs = shared or GlobalScale.of(w)
             q = quantize_nvfp4(w, gs, name=name)
@@ -194,13 +234,13 @@ def quantized_tensors(shape: TinyShape, fmt: str, *, w4a16: bool = False, shared
                 out[f"{name}.weight"] = q.codes
                 out[f"{name}.weight_scale"] = q.scales
                 out[f"{name}.weight_scale_2"] = gs.dec.clone()
-                if not w4a16:
+                if static_input:
                     out[f"{name}.input_scale"] = input_gs.dec.clone()
             else:
                 out[f"{name}.weight_packed"] = q.codes
                 out[f"{name}.weight_scale"] = q.scales
                 out[f"{name}.weight_global_scale"] = gs.enc.reshape(1).clone()
-                if not w4a16:
+                if static_input:
                     out[f"{name}.input_global_scale"] = input_gs.enc.reshape(1).clone()
     return out
 
@@ -245,6 +285,44 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
+def layer_algos(shape: TinyShape, *, w4a16: bool = False, attention: str | None = None,
+                experts_by_layer: bool = False) -> dict[str, str]:
+    """The ModelOpt algorithm of each quantized module; with ``experts_by_layer`` one entry per MoE layer
+    (``model.layers.{i}.mlp.experts``), as some exporters write the ``quantized_layers`` map."""
+    out = {}
+    for group, members in linear_groups(shape):
+        algo = _group_algo(group, w4a16, attention)
+        for name, _, _ in members:
+            key = name.rsplit(".", 2)[0] if experts_by_layer and ".mlp.experts." in name else name
+            out[key] = algo
+    return out
+
+
+def _kv_scales(shape: TinyShape) -> dict[str, torch.Tensor]:
+    """An FP8 KV cache's per-layer k/v scales (1.0: the tiny model's activations are small)."""
+    return {f"model.layers.{i}.self_attn.{proj}_proj.{proj}_scale": torch.tensor(1.0)
+            for i in range(shape.layers) for proj in ("k", "v")}
+
+
+def _write_safetensors(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
+    """One ``model.safetensors``, or ``shards`` files and the index that maps every tensor to its file."""
+    from safetensors.torch import save_file
+
+    if shards == 1:
+        save_file(tensors, str(out / SAFETENSORS_FILE), metadata={"format": "pt"})
+        return
+    names = sorted(tensors)
+    per = -(-len(names) // shards)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[i * per:(i + 1) * per]}
+        save_file(part, str(out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
 def write_tiny_checkpoint(
     out_dir: str | Path,
     fmt: str = MODELOPT,
@@ -254,28 +332,68 @@ def write_tiny_checkpoint(
     seed: int = 0,
     shape: TinyShape = TinyShape(),
     tokenizer: bool = True,
+    attention: str | None = None,
+    experts_by_layer: bool = False,
+    kv_cache_quant_algo: str | None = None,
+    shards: int = 1,
+    tensors: dict[str, torch.Tensor | None] | None = None,
+    config: dict | None = None,
 ) -> Path:
-    """Write the checkpoint into ``out_dir`` (created if needed) and return it."""
+    """Write the checkpoint into ``out_dir`` (created if needed) and return it.
+
+    ``w4a16``: the NVFP4 layers are weight-only.  ModelOpt only: ``attention``, q/k/v/o's own algorithm ("FP8",
+    "NVFP4", "W4A16_NVFP4"; a MIXED_PRECISION config when the layers differ), ``experts_by_layer`` (one
+    ``quantized_layers`` entry per MoE layer; needs a MIXED_PRECISION config), ``kv_cache_quant_algo`` ("FP8": the
+    config says so and each attention layer gets k/v scales).
+    ``shards`` > 1 splits the tensors over that many files with an index.  ``tensors`` replaces tensors by name
+    (None drops one) and ``config`` overrides ``config.json`` keys, after everything else.
+    """
     if fmt not in FORMATS:
         raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
-    from safetensors.torch import save_file
-
+    if fmt != MODELOPT and (attention or experts_by_layer or kv_cache_quant_algo):
+        raise ValueError("attention, experts_by_layer and kv_cache_quant_algo: ModelOpt checkpoints only")
+    algos = layer_algos(shape, w4a16=w4a16, attention=attention, experts_by_layer=experts_by_layer)
+    if experts_by_layer and set(algos.values()) == {NVFP4}:
+        raise ValueError("experts_by_layer: needs a MIXED_PRECISION config (w4a16, or another attention algorithm)")
+    if shards < 1:
+        raise ValueError(f"shards: expected at least 1, got {shards}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
-    tensors = _plain_tensors(shape, gen)
-    tensors.update(quantized_tensors(shape, fmt, w4a16=w4a16, shared_fused_globals=shared_fused_globals, gen=gen))
-    save_file(tensors, str(out / SAFETENSORS_FILE), metadata={"format": "pt"})
-    config = hf_config(shape)
+    weights = _plain_tensors(shape, gen)
+    weights.update(quantized_tensors(shape, fmt, w4a16=w4a16, shared_fused_globals=shared_fused_globals,
+                                     attention=attention, gen=gen))
+    if kv_cache_quant_algo:
+        weights.update(_kv_scales(shape))
+    for name, t in (tensors or {}).items():
+        if t is None:
+            weights.pop(name, None)
+        else:
+            weights[name] = t
+    _write_safetensors(weights, out, shards)
+    hf = hf_config(shape)
     if fmt == MODELOPT:
-        modules = [name for _, members in linear_groups(shape) for name, _, _ in members]
-        (out / "hf_quant_config.json").write_text(json.dumps(modelopt_quant_config(w4a16, modules), indent=2))
+        (out / "hf_quant_config.json").write_text(json.dumps(
+            modelopt_quant_config(algos, kv_cache_quant_algo=kv_cache_quant_algo), indent=2))
     else:
-        config["quantization_config"] = compressed_tensors_quant_config(w4a16)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+        hf["quantization_config"] = compressed_tensors_quant_config(w4a16)
+    hf.update(config or {})
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
     if tokenizer:
         write_tokenizer(out, shape.vocab)
     (out / "tiny_checkpoint.json").write_text(json.dumps(
         {"format": fmt, "w4a16": w4a16, "shared_fused_globals": shared_fused_globals, "seed": seed,
-         "shape": asdict(shape)}, indent=2))
+         "attention": attention, "experts_by_layer": experts_by_layer,
+         "kv_cache_quant_algo": kv_cache_quant_algo, "shards": shards, "shape": asdict(shape),
+         "edited_tensors": sorted(tensors or {}), "edited_config": sorted(config or {})}, indent=2))
     return out
+
+
+def edit_safetensors_header(path: str | Path, edit: Callable[[dict], object]) -> None:
+    """Rewrite the JSON header of a written ``.safetensors`` file with ``edit(header)`` (any JSON value), keeping
+    the data section: how the tests make a header that lies (an offset past the end, a list, ...)."""
+    path = Path(path)
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.dumps(edit(json.loads(raw[8:8 + n]))).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + n:])
