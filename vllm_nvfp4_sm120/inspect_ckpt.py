@@ -217,7 +217,6 @@ class Linear:
     """One NVFP4 linear as stored: a fused part (q_proj, gate_proj, ...) or one expert's projection."""
 
     module: str
-    file: str  # the weight file holding its codes
     kind: str  # qkv, o, gate_up, down, moe_gate_up, moe_down, or the module's last name
     scheme: str  # W4A4 | W4A16
     n: int
@@ -232,7 +231,6 @@ class OtherLayer:
     """A quantized layer of a MIXED_PRECISION checkpoint that is not NVFP4 (FP8, ...): vLLM's kernels run it."""
 
     module: str
-    file: str
     kind: str
     algo: str
     n: int
@@ -306,9 +304,9 @@ def _scheme(algos: LayerAlgos, module: str, has_input: bool) -> tuple[str, str |
     algo = algos.resolve(module)
     if algo in NVFP4_ALGOS:
         return NVFP4_ALGOS[algo], None
-    said = f"quantized_layers gives it {algo}" if algo else "quantized_layers has no entry for it (vLLM loads it " \
-                                                          "unquantized)"
-    return by_tensors, f"NVFP4 codes, but {said}"
+    if algo is None:
+        return by_tensors, "NVFP4 codes, but quantized_layers has no entry for it (vLLM loads it unquantized)"
+    return by_tensors, f"NVFP4 codes, but quantized_layers gives it {algo}"
 
 
 def scan_linears(tensors: dict[str, TensorEntry], fmt: str, algos: LayerAlgos, reader: TensorReader,
@@ -337,8 +335,7 @@ def scan_linears(tensors: dict[str, TensorEntry], fmt: str, algos: LayerAlgos, r
             problems.append(f"{entry.where}: {why}")
         elif scheme == W4A4 and ig is None:
             problems.append(f"{entry.file.name}: {module}: no {ig_sfx} (a W4A4 layer needs its static input scale)")
-        linears.append(Linear(module, entry.file.name, _kind(module), scheme, n, k, weight_dec, input_dec,
-                              ig is not None))
+        linears.append(Linear(module, _kind(module), scheme, n, k, weight_dec, input_dec, ig is not None))
     return linears
 
 
@@ -361,7 +358,7 @@ def scan_other_layers(tensors: dict[str, TensorEntry], algos: LayerAlgos, nvfp4:
             continue
         if algo.startswith("FP8"):
             _check_fp8(tensors, module, entry, algo, reader, problems)
-        out.append(OtherLayer(module, entry.file.name, _kind(module), algo, entry.shape[0], entry.shape[1],
+        out.append(OtherLayer(module, _kind(module), algo, entry.shape[0], entry.shape[1],
                               f"{module}.input_scale" in tensors))
     return out
 
@@ -705,6 +702,11 @@ def _moe_input_lines(r: Report, max_spreads: int) -> list[str]:
     return lines
 
 
+def _plan_rows(rows: list[dict] | str, cells) -> list[str]:
+    """A plan's rows (``cells(row)`` each), or the one line saying why it has none."""
+    return [f"      {rows}"] if isinstance(rows, str) else [f"      {cells(row)}" for row in rows]
+
+
 def _plan_lines(where: str, plan: dict) -> list[str]:
     lines = ["", f"  kernel plan on {where}:"]
     if "note" in plan:
@@ -713,16 +715,10 @@ def _plan_lines(where: str, plan: dict) -> list[str]:
         lines.append("    linears: none is NVFP4 (vLLM's kernels run them)")
     for p in plan["linear"]:
         lines.append(f"    NVFP4 {p['scheme']} linears (route {p['route']}):")
-        if isinstance(p["rows"], str):
-            lines.append(f"      {p['rows']}")
-        else:
-            lines += [f"      {row['t']:10} {row['kernel']}" for row in p["rows"]]
+        lines += _plan_rows(p["rows"], lambda row: f"{row['t']:10} {row['kernel']}")
     for p in plan["moe"]:
         lines.append(f"    NVFP4 {p['scheme']} MoE experts:")
-        if isinstance(p["rows"], str):
-            lines.append(f"      {p['rows']}")
-        else:
-            lines += [f"      {row['t']:28} {row['plan']}" for row in p["rows"]]
+        lines += _plan_rows(p["rows"], lambda row: f"{row['t']:28} {row['plan']}")
     return lines
 
 
