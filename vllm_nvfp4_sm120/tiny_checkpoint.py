@@ -26,8 +26,9 @@ Parts that read the same input (q/k/v, gate/up) share one input scale, as calibr
 Other layouts published checkpoints use, each an option of :func:`write_tiny_checkpoint`: ModelOpt
 MIXED_PRECISION with FP8 (or W4A16 NVFP4) attention next to NVFP4 experts (``attention``), a
 ``quantized_layers`` map that names each MoE layer once (``experts_by_layer``), an FP8 KV cache
-(``kv_cache_quant_algo``), several shards with an index (``shards``).  The tests craft broken checkpoints from these: ``tensors`` replaces or drops tensors,
-``config`` overrides ``config.json`` keys, and :func:`edit_safetensors_header` rewrites a written file's header.
+(``kv_cache_quant_algo``), several shards with an index (``shards``).  The tests craft broken checkpoints
+from these: ``tensors`` replaces or drops tensors, ``config`` overrides ``config.json`` keys, and
+:func:`edit_safetensors_header` rewrites a written file's header.
 """
 
 from __future__ import annotations
@@ -40,13 +41,13 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import INDEX_FILE
 from .format import E4M3_MAX, GlobalScale, quantize_nvfp4
 
 MODELOPT = "modelopt"
 COMPRESSED_TENSORS = "compressed-tensors"
 FORMATS = (MODELOPT, COMPRESSED_TENSORS)
 SAFETENSORS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 NVFP4, W4A16_NVFP4, FP8 = "NVFP4", "W4A16_NVFP4", "FP8"  # ModelOpt's per-layer algorithm names
 LAYER_ALGOS = (NVFP4, W4A16_NVFP4, FP8)
 
