@@ -50,10 +50,8 @@ from .checkpoint import (
 )
 from .envinfo import AUTO_BACKEND, MOE_BACKEND, backend_name, linear_plan, moe_plan
 from .format import BLOCK_SIZE
+from .format.scales import SPREAD_WARN_FRACTION
 
-# The plugin's load-time warning threshold for fused parts (vllm/scale_policy.py, which imports vLLM; inspect must
-# run without it): the same value, so inspect flags the groups the plugin will warn about.
-SPREAD_WARN_FRACTION = 0.05
 MODELOPT = "modelopt"
 COMPRESSED_TENSORS = "compressed-tensors"
 W4A4, W4A16 = "W4A4", "W4A16"

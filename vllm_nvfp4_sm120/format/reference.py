@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .checks import ACT_DTYPES, check_tensor
 from .quant import NvFp4, dequantize_nvfp4, quantize_nvfp4
-from .scales import GlobalScale
+from .scales import GlobalScale, per_row_decode
 
 _UNIT = GlobalScale.from_decode(1.0)
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -23,21 +23,6 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 def unit_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``e2m1(code) * e4m3(scale)`` in fp32 without the global: exact, what a tensor core multiplies."""
     return dequantize_nvfp4(codes, scales, _UNIT, torch.float32)
-
-
-def _part_decodes(weight_dec: torch.Tensor | float, logical_widths: Sequence[int] | None, n: int) -> torch.Tensor:
-    """Per-output-row decode global from one global, one per fused part (qkv, gate_up), or one per row."""
-    dec = torch.as_tensor(weight_dec, dtype=torch.float32).reshape(-1)
-    widths = list(logical_widths) if logical_widths is not None else [n]
-    if sum(widths) != n:
-        raise ValueError(f"logical_widths: parts {widths} sum to {sum(widths)}, weight has {n} rows")
-    if dec.numel() == 1:
-        return dec.expand(n)
-    if dec.numel() == len(widths):
-        return torch.repeat_interleave(dec, torch.tensor(widths, device=dec.device))
-    if dec.numel() == n:
-        return dec
-    raise ValueError(f"weight_dec: expected 1, {len(widths)} (one per part) or {n} (one per row) globals, got {dec.numel()}")
 
 
 def linear_w4a16_ref(
@@ -54,7 +39,7 @@ def linear_w4a16_ref(
     n = codes.shape[0]
     w = unit_values(codes, scales)
     acc = x.to(torch.float32) @ w.t()
-    acc = acc * _part_decodes(weight_dec, logical_widths, n).to(acc.device)
+    acc = acc * per_row_decode(weight_dec, logical_widths, n).to(acc.device)
     if bias is not None:
         acc = acc + bias.to(torch.float32)
     return acc.to(x.dtype)

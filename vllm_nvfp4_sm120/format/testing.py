@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .quant import NvFp4, quantize_nvfp4
-from .scales import GlobalScale
+from .scales import GlobalScale, per_row_decode
 
 
 @dataclass
@@ -24,13 +24,17 @@ class LinearProblem:
     @property
     def weight_gs(self) -> GlobalScale:
         """The single global a W4A4 route uses: the largest part decode (as vLLM does for ModelOpt)."""
-        return GlobalScale.from_decode(torch.stack([g.dec for g in self.part_globals]).max())
+        return self.parts_gs.max()
+
+    @property
+    def parts_gs(self) -> GlobalScale:
+        """The per-part globals as one :class:`GlobalScale` ``[P]``."""
+        return GlobalScale.from_decode(torch.stack([g.dec for g in self.part_globals]), per_tensor=False)
 
     @property
     def dec_rows(self) -> torch.Tensor:
         """Per-output-row decode global: what the W4A16 path applies, each part its own."""
-        decs = torch.stack([g.dec for g in self.part_globals])
-        return torch.repeat_interleave(decs, torch.tensor(self.logical_widths, device=decs.device))
+        return per_row_decode(self.parts_gs.dec, self.logical_widths, self.codes.shape[0])
 
     def to(self, device) -> LinearProblem:
         return LinearProblem(self.codes.to(device), self.scales.to(device), [g.to(device) for g in self.part_globals],

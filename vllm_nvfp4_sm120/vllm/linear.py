@@ -295,7 +295,7 @@ class FlashInferW4A16NvFp4LinearKernel(Sm120NvFp4LinearKernel):
         if self.fi_backend not in W4A16_BACKENDS:
             return f"{FI_W4A16_BACKEND_ENV}={self.fi_backend!r} is not one of {W4A16_BACKENDS}"
         parts = scale_policy.part_globals(layer)
-        if parts is not None and scale_policy.spread(parts) > 0:
+        if parts is not None and parts.spread() > 0:
             # No layer-specific numbers here: the reason keys the once-per-layer-kind log line.
             return ("its fused parts have different weight global scales and mm_bf16_fp4 takes one per weight "
                     "(route nvfp4_sm120_w4a16 applies each part's own)")

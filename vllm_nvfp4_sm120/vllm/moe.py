@@ -46,7 +46,7 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeig
 from vllm.model_executor.layers.quantization.utils.quant_utils import QuantKey, kNvfp4Dynamic, kNvfp4Static
 from vllm.model_executor.utils import replace_parameter
 
-from ..format import check_tensor
+from ..format import GlobalScale, check_tensor
 from .log import layer_name, log_once, logger
 
 
@@ -254,7 +254,7 @@ def static_input_enc(dec: torch.Tensor, name: str, parallel: FusedMoEParallelCon
             f"{name}: the static activation scale of the experts must be finite and > 0 (decode amax/2688), "
             f"got max {value}; the checkpoint's input scales are missing or broken"
         )
-    return (1.0 / dec_max).to(torch.float32)
+    return GlobalScale.from_decode(dec_max, name).enc.reshape(1)
 
 
 def _prepare_layer(method, layer: torch.nn.Module, fmt: str) -> None:
@@ -267,23 +267,23 @@ def _prepare_layer(method, layer: torch.nn.Module, fmt: str) -> None:
             packed = getattr(layer, f"{n}_weight_packed")
             delattr(layer, f"{n}_weight_packed")
             layer.register_parameter(f"{n}_weight", torch.nn.Parameter(packed.data, requires_grad=False))
-        # compressed-tensors stores ENCODE globals (2688 / amax): decode = 1 / encode.
-        w13_parts_dec = 1.0 / layer.w13_weight_global_scale.to(torch.float32)
-        w2_dec = 1.0 / layer.w2_weight_global_scale.to(torch.float32)
-        a13_dec = 1.0 / layer.w13_input_global_scale.to(torch.float32) if w4a4 else None
-        a2_dec = 1.0 / layer.w2_input_global_scale.to(torch.float32) if w4a4 else None
+        # compressed-tensors stores ENCODE globals (2688 / amax).
+        many = functools.partial(GlobalScale.from_encode, per_tensor=False)
+        w13_parts, w2 = many(layer.w13_weight_global_scale), many(layer.w2_weight_global_scale)
+        a13 = many(layer.w13_input_global_scale) if w4a4 else None
+        a2 = many(layer.w2_input_global_scale) if w4a4 else None
     else:
         # ModelOpt stores DECODE globals (amax / 2688).
-        w13_parts_dec = layer.w13_weight_scale_2.to(torch.float32)
-        w2_dec = layer.w2_weight_scale_2.to(torch.float32)
-        a13_dec = layer.w13_input_scale if w4a4 else None
-        a2_dec = layer.w2_input_scale if w4a4 else None
+        many = functools.partial(GlobalScale.from_decode, per_tensor=False)
+        w13_parts, w2 = many(layer.w13_weight_scale_2), many(layer.w2_weight_scale_2)
+        a13 = many(layer.w13_input_scale) if w4a4 else None
+        a2 = many(layer.w2_input_scale) if w4a4 else None
 
-    replace_parameter(layer, "w13_weight_scale_2", gate_up_weight_dec(w13_parts_dec, name))
-    replace_parameter(layer, "w2_weight_scale_2", w2_dec.detach().contiguous())
+    replace_parameter(layer, "w13_weight_scale_2", gate_up_weight_dec(w13_parts.dec, name))
+    replace_parameter(layer, "w2_weight_scale_2", w2.dec.contiguous())
     parallel = method.moe.moe_parallel_config
-    a13_enc = static_input_enc(a13_dec, f"{name}.w13_input_scale", parallel) if w4a4 else None
-    a2_enc = static_input_enc(a2_dec, f"{name}.w2_input_scale", parallel) if w4a4 else None
+    a13_enc = static_input_enc(a13.dec, f"{name}.w13_input_scale", parallel) if w4a4 else None
+    a2_enc = static_input_enc(a2.dec, f"{name}.w2_input_scale", parallel) if w4a4 else None
     if fmt == MODELOPT:
         replace_parameter(layer, "w13_input_scale", a13_enc)
         replace_parameter(layer, "w2_input_scale", a2_enc)

@@ -12,7 +12,7 @@ Policy:
 * **W4A4 layers** use exactly vLLM's merged global (and vLLM's ``alpha``), block scales unchanged, so our routes
   compute what every in-tree kernel computes on the same layer.  The small-T W4A16 kernel that a W4A4 route runs
   on the same weight uses that same global, so the layer's output does not jump with the batch size.  When the
-  parts differ by more than :data:`SPREAD_WARN_FRACTION`, a load-time warning names the layer and the spread.
+  parts differ by more than ``format.SPREAD_WARN_FRACTION``, a load-time warning names the layer and the spread.
 * **W4A16 layers** keep each part's own global as a per-row decode tensor (no accuracy loss, nothing to warn).
 
 The per-part globals are captured just before vLLM merges them (:func:`capture_part_globals`, called from the
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
+from ..format import SPREAD_WARN_FRACTION, GlobalScale, per_row_decode
 from .log import layer_name, logger
 
-SPREAD_WARN_FRACTION = 0.05
 _PARTS_ATTR = "_nvfp4_sm120_part_dec"  # plain attribute: load-time only, deleted once consumed
 
 
@@ -33,17 +33,15 @@ def capture_part_globals(layer: torch.nn.Module, *, dec: torch.Tensor | None = N
     """Keep a copy of the per-part weight globals (one per fused part) before vLLM merges them."""
     if (dec is None) == (enc is None):
         raise ValueError("capture_part_globals: pass exactly one of dec= (ModelOpt) or enc= (compressed-tensors)")
-    parts = dec if dec is not None else 1.0 / enc.to(torch.float32)
-    setattr(layer, _PARTS_ATTR, parts.detach().to(torch.float32).reshape(-1).clone())
+    parts = (GlobalScale.from_decode(dec, per_tensor=False) if dec is not None
+             else GlobalScale.from_encode(enc, per_tensor=False))
+    setattr(layer, _PARTS_ATTR, parts.dec.reshape(-1).clone())
 
 
-def part_globals(layer: torch.nn.Module) -> torch.Tensor | None:
-    return getattr(layer, _PARTS_ATTR, None)
-
-
-def spread(part_dec: torch.Tensor) -> float:
-    """Relative spread of the per-part decode globals: ``max / min - 1`` (0 for a single part)."""
-    return float(part_dec.max() / part_dec.min() - 1.0) if part_dec.numel() > 1 else 0.0
+def part_globals(layer: torch.nn.Module) -> GlobalScale | None:
+    """The captured per-part weight globals ``[P]``, if any."""
+    parts = getattr(layer, _PARTS_ATTR, None)
+    return None if parts is None else GlobalScale.from_decode(parts, per_tensor=False)
 
 
 def _logical_widths(layer: torch.nn.Module, n: int) -> list[int]:
@@ -67,17 +65,16 @@ def weight_dec_rows(layer: torch.nn.Module, *, w4a4: bool) -> torch.Tensor:
     if hasattr(layer, _PARTS_ATTR):
         delattr(layer, _PARTS_ATTR)
     widths = _logical_widths(layer, n)
-    if parts is not None and parts.numel() != len(widths):
+    if parts is not None and parts.dec.numel() != len(widths):
         parts = None  # cannot tell which rows belong to which global: use vLLM's merged one
     if parts is not None and w4a4:
-        s = spread(parts)
+        s = parts.spread()
         if s > SPREAD_WARN_FRACTION:
             logger.warning(
                 "NVFP4 layer %s: the weight global scales of its %d fused parts differ by %.1f%% (decode %s); "
                 "W4A4 uses one global per tensor (%.6g, as vLLM does), which rescales the other parts. "
                 "Accuracy may suffer; a checkpoint with a shared global for fused weights avoids it.",
-                layer_name(layer), parts.numel(), 100 * s, [f"{v:.6g}" for v in parts.tolist()], float(merged),
+                layer_name(layer), parts.dec.numel(), 100 * s, [f"{v:.6g}" for v in parts.dec.tolist()],
+                float(merged),
             )
-    if w4a4 or parts is None:
-        return merged.expand(n).contiguous()
-    return torch.repeat_interleave(parts.to(merged.device), torch.tensor(widths, device=merged.device))
+    return per_row_decode(merged if w4a4 or parts is None else parts.dec.to(merged.device), widths, n)
