@@ -99,13 +99,12 @@ def _copies(bytes_per_copy: int, min_bytes: int) -> int:
 
 
 def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: list[str]) -> list[Row]:
-    from .dispatch.linear import dequant_mm_chunk_n, select_linear, w4a16_plan
-    from .dispatch.ops import LINEAR_KERNELS
-    from .kernels.w4a16_linear import GEMV_MAX_T
+    from .dispatch.hw import capability_of
+    from .dispatch.linear import W4A16_GEMV_MAX_T, dequant_mm_chunk_n, gluon_gemv_plan, select_linear, w4a16_plan
+    from .dispatch.registry import LINEAR_KERNELS
 
-    cc = torch.cuda.get_device_capability()
-    cc = cc[0] * 10 + cc[1]
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    cap = capability_of(torch.device("cuda"))
+    sm_count = cap.sm_count
     gen = torch.Generator().manual_seed(0)
     rows: list[Row] = []
     for model in models:
@@ -121,16 +120,16 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
             for t in tokens:
                 x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
                 flops = 2 * t * n * k
-                route_kernel = select_linear(cc, "w4a16", t, n, k, sm_count).kernel
+                route_kernel = select_linear(cap, "w4a16", t, n, k).kernel
                 candidates: dict[str, Callable[[], object]] = {}
                 kernel_of: dict[str, str] = {}  # candidate -> dispatch kernel name, to mark what the w4a16 route runs
                 if "w4a16" in kernels:  # the Triton W4A16 kernels (the Gluon gemv is its own candidate)
-                    plan = w4a16_plan(t, n, k, sm_count, cc // 10, small=True)
+                    plan = w4a16_plan(cap, t, n, k, small=True)
                     run = LINEAR_KERNELS[plan.kernel]
                     candidates[f"ours-w4a16 ({plan.kernel})"] = lambda run=run, plan=plan: [
                         run(x, w.codes, w.scales, dec_rows, None, None, None, None, **plan.kwargs) for w in ws]
                     kernel_of[f"ours-w4a16 ({plan.kernel})"] = plan.kernel
-                    if t > GEMV_MAX_T:  # prefill: dequant + cuBLAS next to the Triton GEMM, at every prefill T
+                    if t > W4A16_GEMV_MAX_T:  # prefill: dequant + cuBLAS next to the Triton GEMM, at every prefill T
                         chunk = dequant_mm_chunk_n(t, n, k, sm_count)
                         run = LINEAR_KERNELS["w4a16_dequant_mm"]
                         name = f"ours-w4a16 (w4a16_dequant_mm chunk_n={chunk})"
@@ -138,15 +137,13 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
                             run(x, w.codes, w.scales, dec_rows, None, None, None, None, chunk_n=chunk) for w in ws]
                         kernel_of[name] = "w4a16_dequant_mm"
                 if "w4a4" in kernels:
-                    plan = select_linear(cc, "triton", max(t, 17), n, k, sm_count)  # the W4A4 GEMM at every T
+                    plan = select_linear(cap, "triton", max(t, 17), n, k)  # the W4A4 GEMM at every T
                     run = LINEAR_KERNELS[plan.kernel]
                     candidates[f"ours-w4a4 ({plan.kernel}, emulated MMA below sm_120)"] = lambda run=run, plan=plan: [
                         run(x, w.codes, w.scales, dec_rows, None, in_enc, alpha, None, **plan.kwargs) for w in ws]
                 if "gluon" in kernels and t <= 32:
-                    from .dispatch.linear import gluon_gemv_plan
-
                     # The tile the dispatch would pick for this GPU (on sm_90, T = 2 runs the tensor-core tile).
-                    plan = gluon_gemv_plan(t, n, k, sm_count, cc // 10)
+                    plan = gluon_gemv_plan(cap, t, n, k)
                     run = LINEAR_KERNELS[plan.kernel]
                     name = f"ours-{plan.kernel.replace('_', '-')} (portable decode below sm_120)"
                     candidates[name] = lambda run=run, plan=plan: [
@@ -174,6 +171,7 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
 
 
 def bench_act_quant(ks: list[int], tokens: list[int]) -> list[Row]:
+    from .dispatch.linear import act_quant_config
     from .kernels.act_quant import quantize_act_nvfp4
 
     rows = []
@@ -181,7 +179,8 @@ def bench_act_quant(ks: list[int], tokens: list[int]) -> list[Row]:
     for k in ks:
         for t in tokens:
             xs = [torch.randn(t, k, device="cuda").to(torch.bfloat16) for _ in range(_copies(2 * t * k, 1 << 30))]
-            sec = time_graph(lambda: [quantize_act_nvfp4(x, in_enc) for x in xs]) / len(xs)
+            tile = act_quant_config(t, k)
+            sec = time_graph(lambda: [quantize_act_nvfp4(x, in_enc, **tile) for x in xs]) / len(xs)
             moved = 2 * t * k + t * k // 2 + t * k // 16
             rows.append(Row("-", "act_quant", 0, k, t, "ours-act-quant", sec * 1e6, 0.0, 2 * t * k / sec / 1e12,
                             f"{moved / sec / 1e12:.2f} TB/s read+write"))
@@ -328,7 +327,7 @@ def bench_moe(shapes: list[str], tokens: list[int]) -> list[Row]:
                 plan = (gluon["w4a4" in cand] if " gluon" in cand
                         else plan_for(x, w13.codes, w2.codes, ti, w4a4="w4a4" in cand))
                 sec = time_graph(fn)
-                note = "" if cand.startswith("cublas") else f"{plan.kernel} {plan.backend} block_m={plan.block_m}"
+                note = "" if cand.startswith("cublas") else f"{plan.kernel} {plan.impl} block_m={plan.block_m}"
                 rows.append(Row(name, "moe", h, i, t, cand, sec * 1e6, flops / sec / 1e12, 0.0, note))
                 print(_fmt(rows[-1]), flush=True)
         del w13, w2

@@ -214,16 +214,15 @@ def run_bench(args: argparse.Namespace) -> dict:
     import torch
 
     from .bench import Row, cublas_bf16_tflops, dram_read_tbs, time_graph
+    from .dispatch.hw import capability_of
     from .dispatch.linear import select_linear
-    from .dispatch.ops import LINEAR_KERNELS
+    from .dispatch.registry import LINEAR_KERNELS
     from .format import NvFp4, random_nvfp4, unit_values
 
     shapes, ckpt_w4a4 = bench_shapes(args)
     tokens = [int(t) for t in args.tokens.split(",")]
     groups = set(args.kernels.split(","))
-    major, minor = torch.cuda.get_device_capability()
-    cc = major * 10 + minor
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    cap = capability_of(torch.device("cuda"))
     vllm_kernels, skipped = vllm_kernel_factories(ckpt_w4a4) if "vllm" in groups else ({}, {})
     ceilings = {"dram_read_tbs": dram_read_tbs(), "cublas_bf16_tflops_8192": cublas_bf16_tflops()}
     gen = torch.Generator().manual_seed(0)
@@ -265,7 +264,7 @@ def run_bench(args: argparse.Namespace) -> dict:
                 for route, wanted in routes.items():
                     if not wanted:
                         continue
-                    plan = select_linear(cc, route, t, n, k, sm_count=sm_count)
+                    plan = select_linear(cap, route, t, n, k)
                     fn = LINEAR_KERNELS[plan.kernel]
                     cands[f"ours-{route} ({plan.kernel})"] = (
                         lambda fn=fn, plan=plan: [fn(x, w.codes, w.scales, dec_rows, None, in_enc, alpha, None,
@@ -287,7 +286,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         del ws, vlayers, w_bf16
         torch.cuda.empty_cache()
     bar.close()
-    return {"device": f"{torch.cuda.get_device_name()} (sm_{cc})", "torch": torch.__version__,
+    return {"device": f"{torch.cuda.get_device_name()} ({cap.name})", "torch": torch.__version__,
             "ceilings": ceilings, "rows": [asdict(r) for r in rows], "skipped": skipped}
 
 

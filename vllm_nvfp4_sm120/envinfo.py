@@ -20,22 +20,18 @@ import torch
 from . import __version__
 from .dispatch import linear as dispatch_linear
 from .dispatch import moe as dispatch_moe
+from .dispatch.hw import NO_GPU, Capability, Family
+from .dispatch.linear import AUTO_BACKEND, backend_name
+from .dispatch.vendor import B12X_MIN_CUDA
+from .kernels.gluon_compat import ENV_DISABLE as GLUON_SWITCH
 
-SM120 = (12, 0)
-PLUGIN_SWITCH = "VLLM_NVFP4_SM120"  # vllm/register.py ENV_SWITCH (not imported: it would not pull vLLM, but keep env light)
-GLUON_SWITCH = "VLLM_NVFP4_SM120_DISABLE_GLUON"
-AUTO_BACKEND = "nvfp4_sm120"
-MOE_BACKEND = "nvfp4_sm120"
+PLUGIN_SWITCH = "VLLM_NVFP4_SM120"  # vllm/register.py ENV_SWITCH (that module imports vLLM, which `env` avoids)
+MOE_BACKEND = AUTO_BACKEND  # --moe-backend: our experts have one name
 # Token counts at which the MoE plan is shown (decode, small batch, prefill chunk, large prefill).
 MOE_SAMPLE_TOKENS = (1, 16, 256, 4096)
-# FlashInfer 0.7.2's CUDA requirements on sm_120 (../shared/notes/flashinfer-nvfp4.md §1, §5, §7).
-FI_B12X_GEMM_MIN_CUDA = (12, 9)
-FI_CU13_MIN_CUDA = (13, 0)  # b12x fused MoE, cute-dsl GEMM
-
-
-def backend_name(route: str) -> str:
-    """The ``--linear-backend`` name of a dispatch route (``vllm/linear.py`` names its classes the same way)."""
-    return f"{AUTO_BACKEND}_{route}"
+# FlashInfer 0.7.2's CUDA requirements on sm_120: the b12x dense GEMM (dispatch.vendor), and CUDA 13 for the b12x
+# fused MoE and the cute-dsl GEMM.
+FI_CU13_MIN_CUDA = (13, 0)
 
 
 def _dist_version(name: str) -> str | None:
@@ -72,7 +68,7 @@ def find_cuda_toolkit() -> CudaToolkit:
     return CudaToolkit(None, torch.version.cuda, "torch.version.cuda (no nvcc)")
 
 
-def _ver(v: str | None) -> tuple[int, int]:
+def _ver(v: str | None) -> tuple[int, int]:  # "12.9" -> (12, 9); None -> (0, 0)
     if not v:
         return (0, 0)
     parts = [int(p) for p in re.findall(r"\d+", v)[:2]]
@@ -89,7 +85,7 @@ def flashinfer_checks(tk: CudaToolkit) -> list[tuple[str, bool, str]]:
          f"nvcc at {tk.nvcc}" if tk.nvcc else "no nvcc: vLLM skips every FlashInfer kernel"),
         ("FlashInfer JIT of CUDA kernels (cutlass mm_fp4, cutlass_fused_moe; nvcc)", tk.nvcc is not None,
          have),
-        ("b12x dense GEMM (CUDA >= 12.9)", cuda >= FI_B12X_GEMM_MIN_CUDA, have),
+        (f"b12x dense GEMM (CUDA >= {B12X_MIN_CUDA})", cuda >= _ver(B12X_MIN_CUDA), have),
         ("b12x fused MoE, cute-dsl GEMM (CUDA >= 13.0)", cuda >= FI_CU13_MIN_CUDA, have),
     ]
 
@@ -110,14 +106,16 @@ def _plan_str(plan: dispatch_linear.LinearPlan) -> str:
 
 
 def linear_plan(cc: int, route: str) -> list[tuple[str, str, str]]:
-    """``[(T range, kernel and tile, why), ...]`` of ``dispatch.linear`` for this route; ValueError if none."""
-    dispatch_linear.select_linear(cc, route, 1, 16, 16)  # raises ValueError with the reason when unsupported
-    rows = dispatch_linear.TABLE[cc // 10][route]
+    """``[(T range, kernel and tile, why), ...]`` of ``dispatch.linear`` for this route on compute capability ``cc``
+    (e.g. 120); ValueError if none."""
+    cap = Capability(cc)
+    dispatch_linear.select_linear(cap, route, 1, 16, 16)  # raises ValueError with the reason when unsupported
+    rows = dispatch_linear.TABLE[cap.family][route]
     out, lo = [], 1
     for row in rows:
         # The row's kernel as it resolves at the start of its T range (W4A16 rows pick Gluon or Triton and a tile
         # per shape; a 5120 x 5120 layer stands for "a typical linear").
-        plan = dispatch_linear.select_linear(cc, route, lo, 5120, 5120)
+        plan = dispatch_linear.select_linear(cap, route, lo, 5120, 5120)
         out.append((_t_range(lo, row.max_t), _plan_str(plan), row.why))
         if row.max_t is None:
             break
@@ -127,10 +125,12 @@ def linear_plan(cc: int, route: str) -> list[tuple[str, str, str]]:
 
 def moe_plan(capability: tuple[int, int] | None, *, w4a4: bool, hidden: int, intermediate: int, top_k: int,
              experts: int, tokens=MOE_SAMPLE_TOKENS) -> list[tuple[str, str]]:
-    """``[(T, plan), ...]`` of ``dispatch.moe`` at a few batch sizes."""
+    """``[(T, plan), ...]`` of ``dispatch.moe`` at a few batch sizes on ``capability`` (``(major, minor)``, as torch
+    reports it; None: no GPU)."""
+    cap = NO_GPU if capability is None else Capability(capability[0] * 10 + capability[1])
     out = []
     for t in tokens:
-        p = dispatch_moe.select_moe_plan(capability, num_tokens=t, top_k=top_k, global_experts=experts,
+        p = dispatch_moe.select_moe_plan(cap, num_tokens=t, top_k=top_k, global_experts=experts,
                                          hidden=hidden, intermediate=intermediate, w4a4=w4a4)
         m = dispatch_moe.tokens_per_expert(t, top_k, experts)
         tma = "TMA " if p.gate_up.use_tma or p.down.use_tma else ""
@@ -140,18 +140,18 @@ def moe_plan(capability: tuple[int, int] | None, *, w4a4: bool, hidden: int, int
     return out
 
 
-def serving_summary(cc: int | None) -> list[str]:
+def serving_summary(cap: Capability | None) -> list[str]:
     """Which kernels vLLM would use for NVFP4 layers once the plugin is installed, per checkpoint kind."""
-    if cc is None:
+    if cap is None:
         return ["no CUDA GPU: vLLM cannot serve here; the plan below is the one an sm_120 GPU gets"]
-    if cc // 10 == 12:
+    if cap.family is Family.SM120:
         return [
             "W4A4 linears: ours automatically (--linear-backend auto; nvfp4_sm120_triton)",
             "W4A16 linears: vLLM forces Marlin; name ours with --linear-backend nvfp4_sm120 (or nvfp4_sm120_w4a16)",
             f"MoE experts: ours with --moe-backend {MOE_BACKEND}",
         ]
     return [
-        f"sm_{cc}: vLLM's own kernels unless you name ours (--linear-backend {AUTO_BACKEND}_<route>, "
+        f"{cap.name}: vLLM's own kernels unless you name ours (--linear-backend {AUTO_BACKEND}_<route>, "
         f"--moe-backend {MOE_BACKEND}); ours run here for tests and benchmarks (FP4 MMA emulated below sm_120)",
     ]
 
@@ -198,8 +198,8 @@ def collect() -> dict:
     import triton
 
     gpu = _gpu()
-    cc = gpu.get("cc")
-    plan_cc = cc if cc is not None else 120
+    cap = Capability(gpu["cc"], gpu["sms"]) if gpu["available"] else None
+    plan_cc = cap.cc if cap is not None else 120  # without a GPU: the plan an sm_120 gets
     tk = find_cuda_toolkit()
     plugin_off = os.environ.get(PLUGIN_SWITCH, "1").strip().lower() in ("0", "false", "off", "no")
     info = {
@@ -220,8 +220,8 @@ def collect() -> dict:
                    "why": f"{PLUGIN_SWITCH}={os.environ.get(PLUGIN_SWITCH)}" if plugin_off else f"{PLUGIN_SWITCH} unset or 1",
                    "linear_backends": [AUTO_BACKEND] + [backend_name(r) for r in dispatch_linear.ROUTES],
                    "moe_backend": MOE_BACKEND},
-        "plan_for": f"sm_{plan_cc}" + ("" if cc is not None else " (no GPU here: the sm_120 plan)"),
-        "serving": serving_summary(cc),
+        "plan_for": f"sm_{plan_cc}" + ("" if cap is not None else " (no GPU here: the sm_120 plan)"),
+        "serving": serving_summary(cap),
         "linear_plan": {},
         "moe_plan": {},
     }
@@ -231,10 +231,9 @@ def collect() -> dict:
         except ValueError as e:
             info["linear_plan"][route] = str(e)
     # A Qwen3-30B-A3B-sized MoE layer (hidden 2048, intermediate 768, 128 experts, top-8) as the example.
-    cap = (plan_cc // 10, plan_cc % 10)
     for kind, w4a4 in (("w4a4", True), ("w4a16", False)):
-        info["moe_plan"][kind] = [dict(t=t, plan=p) for t, p in moe_plan(cap, w4a4=w4a4, hidden=2048,
-                                                                           intermediate=768, top_k=8, experts=128)]
+        plans = moe_plan(divmod(plan_cc, 10), w4a4=w4a4, hidden=2048, intermediate=768, top_k=8, experts=128)
+        info["moe_plan"][kind] = [dict(t=t, plan=p) for t, p in plans]
     return info
 
 

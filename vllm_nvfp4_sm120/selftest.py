@@ -133,17 +133,18 @@ def _compile_act_quant() -> str:
 
 @check("compile", "W4A16 GEMV (decode) and GEMM (prefill) → bf16 HMMA, no spills (sm_120)")
 def _compile_w4a16() -> str:
+    from .dispatch import linear as cfg
     from .kernels import w4a16_linear as m
     from .kernels.aot import compile_kernel
 
-    gv = m.W4A16_GEMV_CONFIGS[1]
+    gv = cfg.W4A16_GEMV_CONFIGS[1]
     gemv = compile_kernel(
         "vllm_nvfp4_sm120.kernels.w4a16_linear:_w4a16_gemv_kernel", m.W4A16_GEMV_SIGNATURE,
         dict(HAS_BIAS=False, SPLIT=True, EVEN_K=True, FAST_DECODE=True, BLOCK_N=gv["block_n"], BLOCK_K=gv["block_k"],
              BLOCK_T=m.GEMV_BLOCK_T),
         divisible=m.W4A16_GEMV_DIVISIBLE, num_warps=gv["num_warps"], num_stages=gv["num_stages"])
     gemv.require_sass(SASS_HMMA_BF16).require_no_local().require_smem()
-    gm = m.W4A16_GEMM_CONFIGS[1]
+    gm = cfg.W4A16_GEMM_CONFIGS[1]
     gemm = compile_kernel(
         "vllm_nvfp4_sm120.kernels.w4a16_linear:_w4a16_gemm_kernel", m.W4A16_GEMM_SIGNATURE,
         dict(HAS_BIAS=False, EVEN_K=True, FAST_DECODE=True, BLOCK_M=gm["block_m"], BLOCK_N=gm["block_n"],
@@ -156,13 +157,14 @@ def _compile_w4a16() -> str:
 @check("compile", "MoE W4A4 gate_up (OMMA) and W4A16 down (TMA) at the sm_120 plans' tiles")
 def _compile_moe() -> str:
     from .dispatch import moe as plan_mod
+    from .dispatch.hw import Capability
     from .kernels import moe_w4a4 as w4
     from .kernels import moe_w4a16 as w16
     from .kernels.aot import PTX_TMA_LOAD, SASS_OMMA_NVFP4, compile_kernel
 
     shape = dict(top_k=8, global_experts=128, hidden=2048, intermediate=768)  # a Qwen3-30B-A3B layer
     # 32 routes per expert: a BLOCK_M tier the Triton W4A4 kernels serve on sm_120 (64 / 128 go to Gluon).
-    p4 = plan_mod.select_moe_plan((12, 0), num_tokens=512, w4a4=True, **shape)
+    p4 = plan_mod.select_moe_plan(Capability(120), num_tokens=512, w4a4=True, **shape)
     t = p4.gate_up
     gate_up = compile_kernel(
         "vllm_nvfp4_sm120.kernels.moe_w4a4:_moe_w4a4_gate_up_kernel", w4.MOE_W4A4_GATE_UP_SIGNATURE,
@@ -171,8 +173,8 @@ def _compile_moe() -> str:
         divisible=w4.MOE_W4A4_GATE_UP_DIVISIBLE, num_warps=t.num_warps, num_stages=t.num_stages)
     gate_up.require_sass(SASS_OMMA_NVFP4).require_ptx(r"cvt\.rn\.satfinite\.e2m1x2\.f32")
     gate_up.require_no_local().require_smem()
-    assert p4.backend == "triton", p4
-    p16 = plan_mod.select_moe_plan((12, 0), num_tokens=1, w4a4=False, **shape)
+    assert p4.impl == "triton", p4
+    p16 = plan_mod.select_moe_plan(Capability(120), num_tokens=1, w4a4=False, **shape)
     d = p16.down
     sig, div = w16.MOE_W4A16_DOWN_SIGNATURE, list(w16.MOE_W4A16_DOWN_DIVISIBLE)
     if d.use_tma:
@@ -237,6 +239,8 @@ def _need_cuda() -> torch.device:
 @check("gpu", "W4A4 Triton GEMM vs torch reference (native FP4 MMA on sm_120, decomposed elsewhere)")
 def _gpu_w4a4() -> str:
     dev = _need_cuda()
+    from .dispatch.hw import capability_of
+    from .dispatch.linear import select_linear
     from .kernels.w4a4_gemm import w4a4_gemm
 
     gen = torch.Generator().manual_seed(2)
@@ -246,9 +250,10 @@ def _gpu_w4a4() -> str:
     xq = quantize_nvfp4(x, p.input_gs)
     alpha = (p.input_gs.dec * p.weight_gs.dec).to(dev)
     worst = 0.0
+    tile = select_linear(capability_of(dev), "triton", 100, 512, 1024).kwargs
     for decode in (False, True):
         out = w4a4_gemm(xq.codes.to(dev), xq.scales.to(dev), p.codes.to(dev), p.scales.to(dev), alpha,
-                        torch.bfloat16, decode=decode)
+                        torch.bfloat16, decode=decode, **tile)
         torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=1e-2, atol=1e-2)
         worst = max(worst, float((out.cpu().float() - ref.float()).abs().max()))
     return f"T=100 N=512 K=1024, max |err| {worst:.3g} on {torch.cuda.get_device_name()}"
@@ -262,6 +267,7 @@ def _close(out: torch.Tensor, ref: torch.Tensor, what: str) -> float:
 @check("gpu", "activation quant vs torch reference (bit-exact codes and scales, linear and 128x4 layouts)")
 def _gpu_act_quant() -> str:
     dev = _need_cuda()
+    from .dispatch.linear import act_quant_config
     from .kernels import act_quant as m
 
     gen = torch.Generator().manual_seed(3)
@@ -275,11 +281,11 @@ def _gpu_act_quant() -> str:
     for x, gs in cases:
         t, k = x.shape
         ref = quantize_nvfp4(x, gs)
-        codes, scales = m.quantize_act_nvfp4(x.to(dev), gs.enc.to(dev))
+        codes, scales = m.quantize_act_nvfp4(x.to(dev), gs.enc.to(dev), **act_quant_config(t, k))
         if not (torch.equal(codes.cpu(), ref.codes) and torch.equal(scales.cpu().view(torch.uint8),
                                                                    ref.scales.view(torch.uint8))):
             raise AssertionError(f"T={t} K={k}: codes or scales differ from quantize_nvfp4")
-        codes, sw = m.quantize_act_nvfp4(x.to(dev), gs.enc.to(dev), swizzled=True)
+        codes, sw = m.quantize_act_nvfp4(x.to(dev), gs.enc.to(dev), swizzled=True, **act_quant_config(t, k, True))
         if not torch.equal(unswizzle_128x4(sw.cpu(), t, k // 16).view(torch.uint8), ref.scales.view(torch.uint8)):
             raise AssertionError(f"T={t} K={k}: swizzled scales differ from the reference after unswizzling")
     native = m.has_native_e2m1(dev)
@@ -289,6 +295,8 @@ def _gpu_act_quant() -> str:
 @check("gpu", "W4A16 GEMV / GEMM vs torch reference (fused parts keep their own globals)")
 def _gpu_w4a16() -> str:
     dev = _need_cuda()
+    from .dispatch.hw import capability_of
+    from .dispatch.linear import w4a16_plan
     from .kernels import w4a16_linear as m
 
     gen = torch.Generator().manual_seed(4)
@@ -297,7 +305,8 @@ def _gpu_w4a16() -> str:
     for fn, t in ((m.w4a16_gemv, 1), (m.w4a16_gemv, 7), (m.w4a16_gemm, 100)):
         x = torch.randn(t, 1024, generator=gen).to(torch.bfloat16)
         ref = linear_w4a16_ref(x, p.codes, p.scales, p.dec_rows)
-        out = fn(x.to(dev), p.codes.to(dev), p.scales.to(dev), p.dec_rows.to(dev))
+        tile = w4a16_plan(capability_of(dev), t, 384, 1024, small=fn is m.w4a16_gemv).kwargs
+        out = fn(x.to(dev), p.codes.to(dev), p.scales.to(dev), p.dec_rows.to(dev), **tile)
         worst = max(worst, _close(out, ref, f"{fn.__name__} T={t}"))
     return f"T = 1, 7 (gemv), 100 (gemm), N=384 K=1024: max |err| {worst:.3g}"
 
@@ -336,7 +345,7 @@ def _gpu_moe() -> str:
 @check("gpu", "Gluon W4A16 GEMV (CUDA-core and tensor-core tiles) vs torch reference")
 def _gpu_gluon_gemv() -> str:
     dev = _need_cuda()
-    from .kernels import gluon_gemv as gg
+    from .dispatch import registry as gg
     from .kernels.gluon_compat import ENV_DISABLE, gluon_enabled
 
     if not gluon_enabled():

@@ -1,22 +1,34 @@
-"""The linear dispatch table: its choices, and every Triton W4A4 tile it can return compiled for sm_120."""
+"""The linear dispatch table: its choices (kernels, tiles, routes), and every Triton W4A4 tile it can return
+compiled for sm_120."""
 
 import pytest
+import triton
 
+from vllm_nvfp4_sm120.dispatch.hw import Capability
 from vllm_nvfp4_sm120.dispatch.linear import (
     DEQUANT_MM_MAX_SCRATCH_BYTES,
-    DEQUANT_MM_MIN_WAVES,
     DEQUANT_MM_MIN_T_PORTABLE,
     DEQUANT_MM_MIN_T_SM120,
+    DEQUANT_MM_MIN_WAVES,
+    ROUTE_PREFILL,
     ROUTES,
     W4A4_ROUTES,
+    LinearKernel,
+    Route,
+    act_quant_config,
+    all_gemv_tiles,
     all_linear_plans,
+    backend_name,
     dequant_mm_chunk_n,
     dequant_mm_min_t,
+    gluon_gemv_tile,
     select_linear,
     small_t_threshold,
 )
 from vllm_nvfp4_sm120.kernels.aot import SASS_OMMA_NVFP4, compile_kernel
 from vllm_nvfp4_sm120.kernels.w4a4_gemm import W4A4_DIVISIBLE, W4A4_SIGNATURE
+
+SM120, SM90, SM80 = Capability(120), Capability(90), Capability(80)
 
 
 @pytest.mark.parametrize("route", ["triton", "cublas", "b12x", "w4a16"])
@@ -24,46 +36,46 @@ from vllm_nvfp4_sm120.kernels.w4a4_gemm import W4A4_DIVISIBLE, W4A4_SIGNATURE
 def test_small_batches_go_to_w4a16(route, gluon, monkeypatch):
     if not gluon:
         monkeypatch.setenv("VLLM_NVFP4_SM120_DISABLE_GLUON", "1")
-    limit = small_t_threshold(120, route)
+    limit = small_t_threshold(SM120, route)
     assert limit >= 8
     for t in (1, limit):
-        plan = select_linear(120, route, t, 5120, 5120)
+        plan = select_linear(SM120, route, t, 5120, 5120)
         assert plan.kernel.startswith("gluon_gemv" if gluon else "w4a16_gemv"), plan
-    assert select_linear(120, route, limit + 1, 5120, 5120).is_w4a4 == (route != "w4a16")
+    assert select_linear(SM120, route, limit + 1, 5120, 5120).is_w4a4 == (route != "w4a16")
 
 
 def test_sm90_sends_t2_to_the_tensor_core_gemv():
-    assert select_linear(90, "triton", 2, 5120, 5120).kernel == "gluon_gemv_mma"
-    assert select_linear(120, "triton", 2, 5120, 5120).kernel == "gluon_gemv_fma"  # sm_120: unmeasured, issue 7's rule
+    assert select_linear(SM90, "triton", 2, 5120, 5120).kernel == "gluon_gemv_mma"
+    assert select_linear(SM120, "triton", 2, 5120, 5120).kernel == "gluon_gemv_fma"  # sm_120: unmeasured
 
 
 def test_gluon_gemv_only_on_sm120_and_sm90():
-    assert select_linear(120, "triton", 1, 5120, 5120).kernel == "gluon_gemv_fma"
-    assert select_linear(90, "triton", 1, 5120, 5120).kernel == "gluon_gemv_fma"
-    assert select_linear(80, "triton", 1, 5120, 5120).kernel == "w4a16_gemv"
+    assert select_linear(SM120, "triton", 1, 5120, 5120).kernel == "gluon_gemv_fma"
+    assert select_linear(SM90, "triton", 1, 5120, 5120).kernel == "gluon_gemv_fma"
+    assert select_linear(SM80, "triton", 1, 5120, 5120).kernel == "w4a16_gemv"
 
 
 def test_b12x_and_cublas_thresholds_from_issue():
-    assert small_t_threshold(120, "b12x") == 8
-    assert small_t_threshold(120, "cublas") == 16
+    assert small_t_threshold(SM120, "b12x") == 8
+    assert small_t_threshold(SM120, "cublas") == 16
 
 
 def test_vendor_routes_are_sm120_only():
     with pytest.raises(ValueError, match="route 'cublas' has no kernels for compute capability 90"):
-        select_linear(90, "cublas", 4096, 5120, 5120)
-    assert select_linear(90, "triton", 4096, 5120, 5120).kernel == "w4a4_triton"
+        select_linear(SM90, "cublas", 4096, 5120, 5120)
+    assert select_linear(SM90, "triton", 4096, 5120, 5120).kernel == "w4a4_triton"
 
 
 def test_unknown_route():
     with pytest.raises(ValueError, match=r"route: expected one of"):
-        select_linear(120, "cutlass", 1, 8, 16)
+        select_linear(SM120, "cutlass", 1, 8, 16)
 
 
 def test_every_route_answers_every_t():
     listed = {(p.kernel, p.params) for p in all_linear_plans()}
     for route in ROUTES:
         for t in (0, 1, 16, 17, 100_000):
-            plan = select_linear(120, route, t, 5120, 5120)
+            plan = select_linear(SM120, route, t, 5120, 5120)
             # split_k and chunk_n are derived from the shape and SM count, not listed tile parameters
             assert (plan.kernel, tuple(kv for kv in plan.params if kv[0] not in ("split_k", "chunk_n"))) in listed
 
@@ -71,17 +83,17 @@ def test_every_route_answers_every_t():
 @pytest.mark.parametrize("cc,min_t", [(120, DEQUANT_MM_MIN_T_SM120), (90, DEQUANT_MM_MIN_T_PORTABLE),
                                       (80, DEQUANT_MM_MIN_T_PORTABLE)])
 def test_w4a16_prefill_goes_to_dequant_mm(cc, min_t):
-    assert dequant_mm_min_t(cc, "w4a16") == min_t
-    assert select_linear(cc, "w4a16", min_t - 1, 5120, 5120).kernel == "w4a16_gemm"
+    assert dequant_mm_min_t(Capability(cc), "w4a16") == min_t
+    assert select_linear(Capability(cc), "w4a16", min_t - 1, 5120, 5120).kernel == "w4a16_gemm"
     for t in (min_t, 2048, 100_000):
-        plan = select_linear(cc, "w4a16", t, 5120, 5120, sm_count=132)
+        plan = select_linear(Capability(cc, 132), "w4a16", t, 5120, 5120)
         assert plan.kernel == "w4a16_dequant_mm" and plan.kwargs == {"chunk_n": dequant_mm_chunk_n(t, 5120, 5120, 132)}
 
 
 @pytest.mark.parametrize("route", W4A4_ROUTES)
 def test_w4a4_routes_keep_their_prefill(route):
-    assert dequant_mm_min_t(120, route) is None
-    assert select_linear(120, route, 4096, 5120, 5120).is_w4a4
+    assert dequant_mm_min_t(SM120, route) is None
+    assert select_linear(SM120, route, 4096, 5120, 5120).is_w4a4
 
 
 @pytest.mark.parametrize("sm_count", [84, 132, 170, 188])
@@ -105,6 +117,52 @@ def test_dequant_mm_chunks_shrink_with_t():
     assert chunks == sorted(chunks, reverse=True) and chunks[-1] < chunks[0]
 
 
+def test_one_name_per_route():
+    """Every route has its prefill kernel, its backend name, and W4A4-ness from that kernel."""
+    assert set(ROUTE_PREFILL) == set(Route) == set(ROUTES)
+    assert [backend_name(r) for r in ROUTES] == [f"nvfp4_sm120_{r.value}" for r in Route]
+    assert set(W4A4_ROUTES) == {r for r in Route if ROUTE_PREFILL[r].w4a4} == {"triton", "cublas", "b12x"}
+    for route in ROUTES:
+        last = select_linear(SM120, route, 100_000, 5120, 5120)
+        assert last.kernel == ROUTE_PREFILL[route] and last.is_w4a4 == ROUTE_PREFILL[route].w4a4
+    assert {k for k in LinearKernel if k.w4a4} == {"w4a4_triton", "w4a4_cublas", "w4a4_b12x"}
+
+
+# ---- Gluon gemv tiles (kernels/gluon_gemv.py) ---------------------------------------------------------------------
+GEMV_SHAPES = [(10240, 5120), (5120, 8192), (51200, 5120), (5120, 25600), (57344, 8192), (8192, 28672)]
+
+
+@pytest.mark.parametrize("sm_count", [132, 170, 188])
+@pytest.mark.parametrize("t", [0, 1, 2, 3, 8, 9, 16, 17, 32])
+@pytest.mark.parametrize("n,k", GEMV_SHAPES + [(40, 272)])
+def test_config_returns_listed_tiles(t, n, k, sm_count):
+    kind, tile = gluon_gemv_tile(t, n, k, sm_count)
+    assert (kind, tile) in all_gemv_tiles()
+    assert kind == ("fma" if t <= 2 else "mma")
+    if kind == "mma":
+        assert tile.block_t >= t and (tile.block_t == 8 or tile.block_t // 2 < t)
+
+
+def test_config_large_t_is_not_a_gemv():
+    assert gluon_gemv_tile(33, 5120, 5120, 170) is None
+
+
+def test_config_reaches_every_tile():
+    seen = {gluon_gemv_tile(t, n, k, sm)
+            for t in range(1, 33) for n, k in GEMV_SHAPES + [(64, 64)] for sm in (132, 170)}
+    assert set(all_gemv_tiles()) <= seen
+
+
+# ---- the activation quantizer's tile (kernels/act_quant.py) -------------------------------------------------------
+def test_act_quant_config_covers_real_shapes():
+    for t in (1, 16, 256, 2048):
+        for k in (5120, 8192, 25600, 28672):
+            for swizzled in (False, True):
+                cfg = act_quant_config(t, k, swizzled)
+                assert k % cfg["block_k"] == 0, (t, k, cfg)  # no masked K tail on real shapes
+                assert triton.cdiv(k, cfg["block_k"]) >= 5  # K is split even for a single row
+
+
 W4A4_TILES = sorted({p.params for p in all_linear_plans() if p.kernel == "w4a4_triton"})
 
 
@@ -115,7 +173,7 @@ def test_w4a4_tiles_compile_for_sm120(params):
     rep = compile_kernel(
         "vllm_nvfp4_sm120.kernels.w4a4_gemm:_w4a4_gemm_kernel", W4A4_SIGNATURE,
         dict(HAS_BIAS=True, DECODE=False, BLOCK_M=tile["block_m"], BLOCK_N=tile["block_n"],
-             BLOCK_K=tile["block_k"], GROUP_M=8),
+             BLOCK_K=tile["block_k"], GROUP_M=tile["group_m"]),
         divisible=W4A4_DIVISIBLE, num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     )
     rep.require_sass(SASS_OMMA_NVFP4).require_no_local().require_smem()

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from vllm_nvfp4_sm120.dispatch import ops  # noqa: F401  (registers the op)
-from vllm_nvfp4_sm120.dispatch.linear import select_linear
+from vllm_nvfp4_sm120.dispatch import registry
+from vllm_nvfp4_sm120.dispatch.hw import SM120_REFERENCE
+from vllm_nvfp4_sm120.dispatch.linear import LinearKernel, select_linear
 from vllm_nvfp4_sm120.format import linear_w4a4_ref, linear_w4a16_ref, make_linear
 
 
@@ -15,7 +17,7 @@ def _args(p, device):
 
 
 def _expected(route, x, p):
-    plan = select_linear(120, route, x.shape[0], p.codes.shape[0], x.shape[1])
+    plan = select_linear(SM120_REFERENCE, route, x.shape[0], p.codes.shape[0], x.shape[1])
     if plan.is_w4a4:
         return linear_w4a4_ref(x, p.codes, p.scales, p.weight_gs, p.input_gs)
     return linear_w4a16_ref(x, p.codes, p.scales, p.dec_rows)
@@ -103,7 +105,7 @@ def test_flashinfer_w4a16_fake_shape():
 def test_fi_w4a16_plan_runs_the_same_op(monkeypatch):
     """The table's ``fi_w4a16`` plan, through the linear op's slots, reaches that op with the default backend."""
     seen = {}
-    monkeypatch.setattr(ops, "flashinfer_w4a16", lambda *args: seen.setdefault("args", args))
+    monkeypatch.setattr(registry, "run_flashinfer_w4a16", lambda *args: seen.setdefault("args", args))
     x, b, sf, alpha = (torch.empty(0) for _ in range(4))
-    ops.LINEAR_KERNELS["fi_w4a16"](x, b, sf, torch.empty(48), None, None, alpha, None)
+    registry.LINEAR_KERNELS[LinearKernel.FI_W4A16](x, b, sf, torch.empty(48), None, None, alpha, None)
     assert seen["args"] == (x, b, sf, alpha, None, 48, "cute-dsl")

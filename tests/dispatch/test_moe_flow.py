@@ -10,7 +10,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from vllm_nvfp4_sm120.dispatch.hw import NO_GPU, Capability
 from vllm_nvfp4_sm120.dispatch.moe import W4A4_MIN_TOKENS_PER_EXPERT, all_moe_plans, select_moe_plan
+
+SM120, SM90 = Capability(120), Capability(90)
 from vllm_nvfp4_sm120.dispatch.moe_flow import nvfp4_moe
 from vllm_nvfp4_sm120.format import GlobalScale, make_moe_bank, moe_ref, topk_route
 
@@ -21,9 +24,9 @@ def _interpretable(plan):
 
 def _plans():
     seen, out = set(), []
-    for cap in (None, (12, 0), (9, 0)):
+    for cap in (NO_GPU, SM120, SM90):
         for p in all_moe_plans(cap):
-            if p.backend == "gluon":
+            if p.impl == "gluon":
                 continue  # Gluon does not run in the interpreter: tests/kernels/test_gluon_moe.py on a GPU
             p = _interpretable(p)
             # Stages and warps do not change what the interpreter computes; TMA is covered on both GEMMs at once.
@@ -80,9 +83,9 @@ def test_every_plan_matches_reference(plan, gen):
     run_case(plan, 16, 3, gen)
 
 
-W4A16 = _interpretable(select_moe_plan(None, num_tokens=1, top_k=1, global_experts=4, hidden=128,
+W4A16 = _interpretable(select_moe_plan(NO_GPU, num_tokens=1, top_k=1, global_experts=4, hidden=128,
                                        intermediate=64, w4a4=False))
-W4A4 = _interpretable(select_moe_plan(None, num_tokens=64, top_k=2, global_experts=4, hidden=128,
+W4A4 = _interpretable(select_moe_plan(NO_GPU, num_tokens=64, top_k=2, global_experts=4, hidden=128,
                                       intermediate=64, w4a4=True))
 
 
@@ -126,22 +129,22 @@ def test_cpu_without_plan_is_the_reference(gen):
 
 
 def test_dispatch_tiers():
-    def plan(t, w4a4=True, cap=(12, 0), h=2048, i=768):
+    def plan(t, w4a4=True, cap=SM120, h=2048, i=768):
         return select_moe_plan(cap, num_tokens=t, top_k=8, global_experts=128, hidden=h, intermediate=i, w4a4=w4a4)
 
     assert plan(1).kernel == "w4a16" and plan(1).block_m == 16 and plan(1).stream_weights
     assert plan(64).kernel == "w4a4" and plan(64).block_m == 16  # 4 tokens per expert
     assert plan(8192).block_m == 128 and plan(8192, w4a4=False).gate_up.use_tma
     assert not plan(8192, w4a4=False, h=2112).gate_up.use_tma and plan(8192, w4a4=False, h=2112).down.use_tma
-    assert plan(4096, cap=(9, 0)).decode is False and plan(4096, cap=None).decode is True
-    assert all(p.kernel in ("w4a16", "w4a4") for cap in (None, (9, 0), (12, 0)) for p in all_moe_plans(cap))
+    assert plan(4096, cap=SM90).decode is False and plan(4096, cap=NO_GPU).decode is True
+    assert all(p.kernel in ("w4a16", "w4a4") for cap in (NO_GPU, SM90, SM120) for p in all_moe_plans(cap))
 
 
 @pytest.mark.parametrize("w4a4", [False, True], ids=["w4a16", "w4a4"])
 def test_dispatch_gluon_on_sm120(w4a4, monkeypatch):
     from vllm_nvfp4_sm120.kernels.gluon_compat import ENV_DISABLE, HAS_GLUON
 
-    def plan(t, cap=(12, 0), i=768):
+    def plan(t, cap=SM120, i=768):
         return select_moe_plan(cap, num_tokens=t, top_k=8, global_experts=128, hidden=2048, intermediate=i,
                                w4a4=w4a4)
 
@@ -149,7 +152,7 @@ def test_dispatch_gluon_on_sm120(w4a4, monkeypatch):
         pytest.skip("no Gluon in this Triton")
     monkeypatch.delenv(ENV_DISABLE, raising=False)
     p64, p128 = plan(1024), plan(8192)  # 64 and 512 routes per expert
-    assert (p64.block_m, p64.backend, p128.block_m, p128.backend) == (64, "gluon", 128, "gluon")
+    assert (p64.block_m, p64.impl, p128.block_m, p128.impl) == (64, "gluon", 128, "gluon")
     assert p64.kernel == p128.kernel == ("w4a4" if w4a4 else "w4a16")
     assert p64.gate_up.persistent and p64.down.persistent and not p128.gate_up.persistent
     assert p64.gate_up_kwargs()["persistent"] and not p128.down_kwargs()["persistent"]
@@ -160,9 +163,9 @@ def test_dispatch_gluon_on_sm120(w4a4, monkeypatch):
     if w4a4:  # the launcher picks native block-scaled MMA on sm_120, the exact emulation elsewhere
         assert p128.gate_up_kwargs()["decode"] is None and p128.down_kwargs()["decode"] is None
     # Triton below BLOCK_M 64, on other GPUs, and with the switch off.
-    assert plan(128).backend == "triton" and plan(8192, cap=(9, 0)).backend == "triton"
+    assert plan(128).impl == "triton" and plan(8192, cap=SM90).impl == "triton"
     monkeypatch.setenv(ENV_DISABLE, "1")
-    assert plan(8192).backend == "triton" and plan(8192).down.epilogue_warps == 0
+    assert plan(8192).impl == "triton" and plan(8192).down.epilogue_warps == 0
 
 
 def test_bad_input_is_named(gen):

@@ -2,7 +2,7 @@
 
 CPU: the kernel runs in the Triton interpreter (tiny shapes, the exact integer e4m3 rounding).
 GPU (H200): real shapes, both e4m3 roundings (native ``cvt.rn.satfinite.e4m3x2`` and the integer one).
-Compile: the default tiles for sm_120 (and the e4m3 convert instruction they use).
+Compile: the dispatch's tiles for sm_120 (and the e4m3 convert instruction they use).
 """
 
 import re
@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_nvfp4_sm120.dispatch.linear import act_quant_config
 from vllm_nvfp4_sm120.format import GlobalScale, quantize_nvfp4, round_to_e2m1, swizzle_128x4, swizzled_shape
 from vllm_nvfp4_sm120.format.e2m1 import E2M1_MAGNITUDES
 from vllm_nvfp4_sm120.kernels.act_quant import (
@@ -19,12 +20,12 @@ from vllm_nvfp4_sm120.kernels.act_quant import (
     ACT_QUANT_SIGNATURE,
     _e2m1_codes,
     _e4m3_rne,
-    act_quant_config,
     quantize_act_nvfp4,
 )
 
 KERNEL = "vllm_nvfp4_sm120.kernels.act_quant:_act_quant_kernel"
 DTYPES = [torch.bfloat16, torch.float16]
+TILE = dict(block_t=1, block_k=256, num_warps=1)  # for the checks that never reach a launch
 
 
 def _device():
@@ -55,9 +56,11 @@ def _swizzle(scales: torch.Tensor) -> torch.Tensor:
 
 
 def _check(x, gs, *, swizzled, **kw):
-    codes, scales = quantize_act_nvfp4(x, gs.enc.reshape(1).to(x.device), swizzled=swizzled, **kw)
-    ref = quantize_nvfp4(x.cpu(), gs)
+    """The kernel on the dispatch's tile for x's shape, or on the tile fields given in ``kw``."""
     t, k = x.shape
+    tile = {k_: kw.pop(k_, v) for k_, v in act_quant_config(t, k, swizzled).items()}
+    codes, scales = quantize_act_nvfp4(x, gs.enc.reshape(1).to(x.device), swizzled=swizzled, **tile, **kw)
+    ref = quantize_nvfp4(x.cpu(), gs)
     assert codes.shape == (t, k // 2) and codes.dtype == torch.uint8
     assert scales.dtype == torch.float8_e4m3fn
     torch.testing.assert_close(codes.cpu(), ref.codes, rtol=0, atol=0)
@@ -158,15 +161,6 @@ def test_rounding_helpers_exhaustive(native):
     torch.testing.assert_close(val.cpu(), want.to(torch.float32), rtol=0, atol=0)
 
 
-def test_config_covers_real_shapes():
-    for t in (1, 16, 256, 2048):
-        for k in (5120, 8192, 25600, 28672):
-            for swizzled in (False, True):
-                cfg = act_quant_config(t, k, swizzled)
-                assert k % cfg["block_k"] == 0, (t, k, cfg)  # no masked K tail on real shapes
-                assert triton.cdiv(k, cfg["block_k"]) >= 5  # K is split even for a single row
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Bad input
 
@@ -191,17 +185,18 @@ def _ok():
 def test_bad_input(change, error, match):
     x, e = change(*_ok())
     with pytest.raises(error, match=match):
-        quantize_act_nvfp4(x, e)
+        quantize_act_nvfp4(x, e, **TILE)
 
 
 def test_bad_output_buffers():
     x, e = _ok()
     with pytest.raises(ValueError, match=r"out_codes: expected shape \[2, 16\]"):
-        quantize_act_nvfp4(x, e, out_codes=torch.empty(2, 8, dtype=torch.uint8, device=x.device))
+        quantize_act_nvfp4(x, e, out_codes=torch.empty(2, 8, dtype=torch.uint8, device=x.device), **TILE)
     with pytest.raises(ValueError, match=r"out_scales \(128x4-swizzled e4m3 scales\): expected shape \[128, 4\]"):
-        quantize_act_nvfp4(x, e, swizzled=True, out_scales=torch.empty(2, 2, dtype=torch.uint8, device=x.device))
+        quantize_act_nvfp4(x, e, swizzled=True, out_scales=torch.empty(2, 2, dtype=torch.uint8, device=x.device),
+                           **TILE)
     with pytest.raises(TypeError, match=r"out_scales: expected dtype"):
-        quantize_act_nvfp4(x, e, out_scales=torch.empty(2, 2, dtype=torch.float16, device=x.device))
+        quantize_act_nvfp4(x, e, out_scales=torch.empty(2, 2, dtype=torch.float16, device=x.device), **TILE)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -270,7 +265,8 @@ def test_real_shapes_gpu(t, k):
     xd = x.cuda()
     for native in (True, False):
         for swizzled in (False, True):
-            codes, scales = quantize_act_nvfp4(xd, gs.enc.reshape(1).cuda(), swizzled=swizzled, native_e4m3=native)
+            codes, scales = quantize_act_nvfp4(xd, gs.enc.reshape(1).cuda(), swizzled=swizzled, native_e4m3=native,
+                                               **act_quant_config(t, k, swizzled))
             torch.testing.assert_close(codes.cpu(), ref.codes, rtol=0, atol=0)
             want = swizzle_128x4(ref.scales) if swizzled else ref.scales
             torch.testing.assert_close(scales.cpu().view(torch.uint8), want.view(torch.uint8), rtol=0, atol=0)
@@ -295,10 +291,11 @@ def test_cuda_graph_replay():
     enc = torch.ones(1, dtype=torch.float32, device="cuda")
     codes = torch.empty(40, 256, dtype=torch.uint8, device="cuda")
     scales = torch.empty(128, 32, dtype=torch.float8_e4m3fn, device="cuda")
-    quantize_act_nvfp4(x, enc, swizzled=True, out_codes=codes, out_scales=scales)  # compile outside the capture
+    tile = act_quant_config(40, 512, swizzled=True)
+    quantize_act_nvfp4(x, enc, swizzled=True, out_codes=codes, out_scales=scales, **tile)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        quantize_act_nvfp4(x, enc, swizzled=True, out_codes=codes, out_scales=scales)
+        quantize_act_nvfp4(x, enc, swizzled=True, out_codes=codes, out_scales=scales, **tile)
     x2 = _activations(40, 512, torch.bfloat16, gen)
     gs = _enc(x2)
     x.copy_(x2)
@@ -324,7 +321,8 @@ def test_native_e2m1_convert_sm120(swizzled):
     x = x.to(torch.bfloat16)
     for gs in (GlobalScale.from_encode(1.0), _enc(x)):
         ref = quantize_nvfp4(x, gs)
-        codes, scales = quantize_act_nvfp4(x.cuda(), gs.enc.reshape(1).cuda(), swizzled=swizzled, native_e2m1=True)
+        codes, scales = quantize_act_nvfp4(x.cuda(), gs.enc.reshape(1).cuda(), swizzled=swizzled, native_e2m1=True,
+                                           **act_quant_config(*x.shape, swizzled))
         torch.testing.assert_close(codes.cpu(), ref.codes, rtol=0, atol=0)
         want = swizzle_128x4(ref.scales) if swizzled else ref.scales
         torch.testing.assert_close(scales.cpu().view(torch.uint8), want.view(torch.uint8), rtol=0, atol=0)

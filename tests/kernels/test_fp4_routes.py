@@ -1,11 +1,15 @@
-"""Vendor sm_120 W4A4/W4A16 routes: load-time refusal and preparation on the CPU, clean refusal off sm_120,
-real execution against the torch references on sm_120 only (``-m sm120``)."""
+"""Vendor sm_120 W4A4/W4A16 routes: load-time preparation and argument checks on the CPU, real execution against
+the torch references on sm_120 only (``-m sm120``).  Which GPU and shape a route accepts:
+tests/dispatch/test_vendor.py."""
 
 import importlib.util
 
 import pytest
 import torch
 
+from vllm_nvfp4_sm120.dispatch import vendor
+from vllm_nvfp4_sm120.dispatch.hw import capability_of
+from vllm_nvfp4_sm120.dispatch.linear import act_quant_config
 from vllm_nvfp4_sm120.format import (
     linear_w4a4_ref,
     linear_w4a16_ref,
@@ -16,131 +20,13 @@ from vllm_nvfp4_sm120.format import (
 )
 from vllm_nvfp4_sm120.kernels import fp4_routes as R
 
-SM120, SM121, SM100, SM90, SM89 = (12, 0), (12, 1), (10, 0), (9, 0), (8, 9)
 # The H200 image has no FlashInfer: tests of its probes run where it is installed (the dev machine, sm_120 boxes).
 needs_flashinfer = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="flashinfer not installed")
-REAL = [(10240, 5120), (5120, 8192), (51200, 5120), (5120, 25600), (57344, 8192), (8192, 28672)]
 
 
 def _weight(n, k, gen):
     p = make_linear(n, k, gen=gen)
     return p.codes, p.scales, p
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Load-time refusal
-
-
-@pytest.mark.parametrize("n,k", REAL)
-def test_cublas_accepts_real_shapes(n, k):
-    for cap in (SM120, SM121, SM100):
-        assert R.cublas_refusal(cap, n, k, cuda_version="12.8") is None
-
-
-@pytest.mark.parametrize(
-    "cap,n,k,cuda,match",
-    [
-        (SM90, 4096, 4096, "13.0", r"need sm_100 or sm_120, this GPU is sm_90"),
-        (SM89, 4096, 4096, "13.0", r"sm_89"),
-        (SM120, 4096, 4096, "12.6", r"CUDA >= 12.8"),
-        (SM120, 4096, 4112, "13.0", r"K = 4112 is not a multiple of 32"),
-        (SM120, 4104, 4096, "13.0", r"N = 4104 is not a multiple of 16"),
-    ],
-)
-def test_cublas_refusals(cap, n, k, cuda, match):
-    import re
-
-    reason = R.cublas_refusal(cap, n, k, cuda_version=cuda)
-    assert reason is not None and re.search(match, reason), reason
-
-
-@needs_flashinfer
-@pytest.mark.parametrize("n,k", REAL + [(4104, 4112), (24, 48)])
-def test_b12x_accepts(n, k):
-    assert R.b12x_refusal(SM120, n, k, cuda_version="12.9") is None
-    assert R.b12x_refusal(SM121, n, k, cuda_version="13.0") is None
-
-
-@pytest.mark.parametrize(
-    "cap,n,k,cuda,match",
-    [
-        (SM100, 4096, 4096, "13.0", r"sm_120/sm_121 only, this GPU is sm_100"),
-        (SM90, 4096, 4096, "13.0", r"sm_90"),
-        (SM120, 4100, 4096, "13.0", r"N = 4100 is not a multiple of 8"),
-        (SM120, 4096, 4104, "13.0", r"K = 4104 is not a multiple of 16"),
-        pytest.param(SM120, 4096, 4096, "12.8", r"CUDA >= 12.9 .*found CUDA 12.8", marks=needs_flashinfer),
-    ],
-)
-def test_b12x_refusals(cap, n, k, cuda, match):
-    import re
-
-    reason = R.b12x_refusal(cap, n, k, cuda_version=cuda)
-    assert reason is not None and re.search(match, reason), reason
-
-
-def test_refusal_takes_a_device():
-    for refuse in (R.cublas_refusal, R.b12x_refusal, R.flashinfer_w4a16_refusal):
-        assert refuse(torch.device("cpu"), 4096, 4096) == "needs a CUDA device, got cpu"
-
-
-@needs_flashinfer
-def test_b12x_uses_flashinfer_cuda_probe():
-    # Without an override the check uses FlashInfer's own probe (nvcc, else torch's CUDA): a version string.
-    version = R.flashinfer_cuda_version()
-    assert version[0].isdigit()
-    from packaging.version import Version
-
-    reason = R.b12x_refusal(SM120, 4096, 4096)
-    assert (reason is None) == (Version(version) >= Version("12.9")), reason
-
-
-def test_flashinfer_missing_is_a_refusal(monkeypatch):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def no_flashinfer(name, *args, **kw):
-        if name == "flashinfer" or name.startswith("flashinfer."):
-            raise ImportError("No module named 'flashinfer'")
-        return real_import(name, *args, **kw)
-
-    monkeypatch.setattr(builtins, "__import__", no_flashinfer)
-    for reason in (R.b12x_refusal(SM120, 4096, 4096, cuda_version="13.0"),
-                   R.flashinfer_w4a16_refusal(SM120, 4096, 4096)):
-        assert reason is not None and "flashinfer is not importable" in reason
-
-
-@needs_flashinfer
-@pytest.mark.parametrize("backend", R.W4A16_BACKENDS)
-@pytest.mark.parametrize("n,k", REAL)
-def test_w4a16_accepts_real_shapes(backend, n, k):
-    reason = R.flashinfer_w4a16_refusal(SM120, n, k, backend=backend)
-    if backend == "cudnn":
-        from flashinfer.gemm.gemm_base import CUDNN_AVAILABLE
-
-        assert (reason is None) == CUDNN_AVAILABLE, reason
-    else:
-        assert reason is None, reason
-
-
-@pytest.mark.parametrize(
-    "kw,match",
-    [
-        (dict(cap=SM90), r"does not support sm_90"),
-        (dict(backend="cute-dsl-native", cap=SM100), r"does not support sm_100"),
-        (dict(n=4128), r"N = 4128 is not a multiple of 64"),
-        (dict(act_dtype=torch.float16), r"bfloat16 activations only"),
-        (dict(backend="marlin"), r"not one of"),
-        (dict(k=4104), r"K = 4104"),
-    ],
-)
-def test_w4a16_refusals(kw, match):
-    import re
-
-    args = dict(cap=SM120, n=4096, k=4096, backend="cute-dsl", act_dtype=torch.bfloat16) | kw
-    reason = R.flashinfer_w4a16_refusal(args["cap"], args["n"], args["k"], backend=args["backend"],
-                                        act_dtype=args["act_dtype"])
-    assert reason is not None and re.search(match, reason), reason
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -212,7 +98,7 @@ def test_prepare_bad_input(call, error, match, gen):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Run-time argument checks and clean refusal where the route cannot run (CPU here, sm_90 on the H200)
+# Run-time argument checks (the requirement the dispatch asks before each run: tests/dispatch/test_vendor.py)
 
 
 def _w4a4_args(t, n, k, gen, device="cpu"):
@@ -243,13 +129,14 @@ def test_scaled_mm_argument_checks(gen):
 def test_b12x_argument_checks(gen):
     x, p, codes, scales, enc, alpha = _w4a4_args(3, 40, 48, gen)
     w, sw = R.prepare_b12x_weight(codes, scales)
+    tile = act_quant_config(3, 48, swizzled=True)
     with pytest.raises(ValueError, match=r"w_codes: expected the prepare_b12x_weight layout \[64, 32\]"):
-        R.b12x_linear(x, codes, sw, enc, alpha, 40)
+        R.b12x_linear(x, codes, sw, enc, alpha, 40, quant_tile=tile)
     with pytest.raises(TypeError, match=r"x: expected dtype"):
-        R.b12x_linear(x.float(), w, sw, enc, alpha, 40)
+        R.b12x_linear(x.float(), w, sw, enc, alpha, 40, quant_tile=tile)
     with pytest.raises(ValueError, match=r"quantizer"):
-        R.b12x_linear(x, w, sw, enc, alpha, 40, quantizer="trtllm")
-    assert R.b12x_linear(x[:0], w, sw, enc, alpha, 40).shape == (0, 40)
+        R.b12x_linear(x, w, sw, enc, alpha, 40, quantizer="trtllm", quant_tile=tile)
+    assert R.b12x_linear(x[:0], w, sw, enc, alpha, 40, quant_tile=tile).shape == (0, 40)
 
 
 @pytest.mark.parametrize("t", [0, 3])
@@ -264,8 +151,8 @@ def test_flashinfer_w4a16_linear_calls_mm_bf16_fp4(t, gen, monkeypatch):
         calls.append(dict(a=a, b=b, sf=b_descale, alpha=alpha, backend=backend, out_dtype=out_dtype))
         return torch.ones(a.shape[0], 24, dtype=out_dtype)
 
-    monkeypatch.setattr(R, "_flashinfer", lambda: types.SimpleNamespace(mm_bf16_fp4=mm_bf16_fp4))
-    monkeypatch.setattr(R, "_require_gpu", lambda route, t, refuse: None)
+    monkeypatch.setattr(R, "flashinfer", lambda: types.SimpleNamespace(mm_bf16_fp4=mm_bf16_fp4))
+    monkeypatch.setattr(R, "require_cuda", lambda route, t: None)
     wide = torch.randn(t, 96, generator=gen).to(torch.bfloat16)
     x = wide[:, :64]  # row stride 96
     prepared = (torch.zeros(4, 48, dtype=torch.int32), torch.zeros(4, 24, dtype=torch.uint8), torch.ones(1))
@@ -280,40 +167,6 @@ def test_flashinfer_w4a16_linear_calls_mm_bf16_fp4(t, gen, monkeypatch):
     assert call["b"] is prepared[0] and call["sf"] is prepared[1] and call["alpha"] is prepared[2]
     assert call["backend"] == "cudnn" and call["out_dtype"] == torch.bfloat16
     torch.testing.assert_close(out, (1 + bias).expand(t, 24), rtol=0, atol=0)
-
-
-def _refuses_here():
-    """Where the vendor routes cannot run: this CPU machine, or a GPU that is not sm_120 (the H200)."""
-    return not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 12
-
-
-@pytest.mark.skipif(not _refuses_here(), reason="this GPU runs the vendor routes")
-@pytest.mark.parametrize("route", ["cublas", "b12x", "flashinfer_w4a16"])
-def test_routes_refuse_cleanly_off_sm120(route, gen):
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    x, p, codes, scales, enc, alpha = _w4a4_args(4, 64, 128, gen, dev)
-    expected = r"needs CUDA tensors" if dev == "cpu" else r"sm_\d+"
-    with pytest.raises(R.Fp4RouteUnavailable, match=expected):
-        if route == "cublas":
-            w, sw = R.prepare_cublas_weight(codes, scales)
-            a = torch.zeros(4, 64, dtype=torch.uint8, device=dev)
-            sa = torch.zeros(swizzled_shape(4, 8), dtype=torch.float8_e4m3fn, device=dev)
-            R.scaled_mm_nvfp4(a, sa, w, sw, alpha, torch.bfloat16)
-        elif route == "b12x":
-            w, sw = R.prepare_b12x_weight(codes, scales)
-            R.b12x_linear(x, w, sw, enc, alpha, 64)
-        else:
-            R.flashinfer_w4a16_linear(x, (codes, scales, None), 64)
-
-
-@pytest.mark.gpu
-def test_refusal_reason_on_this_gpu():
-    cap = torch.cuda.get_device_capability()
-    if cap[0] == 12:
-        pytest.skip("sm_120: the routes are usable here")
-    assert R.cublas_refusal(cap, 4096, 4096) is not None or cap[0] == 10
-    assert R.b12x_refusal(cap, 4096, 4096) is not None
-    assert R.flashinfer_w4a16_refusal(cap, 4096, 4096) is not None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -335,7 +188,7 @@ def test_cublas_sm120(t, n, k, fused_alpha):
     gen = torch.Generator().manual_seed(t + n + k)
     x, p, codes, scales, enc, alpha = _w4a4_args(t, n, k, gen, "cuda")
     w, sw = R.prepare_cublas_weight(codes, scales)
-    out = R.cublas_linear(x, enc, w, sw, alpha, fused_alpha=fused_alpha)
+    out = R.cublas_linear(x, enc, w, sw, alpha, fused_alpha=fused_alpha, quant_tile=act_quant_config(t, k, True))
     _close(out, linear_w4a4_ref(x.cpu(), p.codes, p.scales, p.weight_gs, p.input_gs).cuda())
 
 
@@ -343,13 +196,14 @@ def test_cublas_sm120(t, n, k, fused_alpha):
 @pytest.mark.parametrize("quantizer", ["ours", "flashinfer"])
 @pytest.mark.parametrize("t,n,k", SM120_SHAPES)
 def test_b12x_sm120(t, n, k, quantizer):
-    if R.b12x_refusal(torch.cuda.get_device_capability(), n, k):
-        pytest.skip(R.b12x_refusal(torch.cuda.get_device_capability(), n, k))
+    if reason := vendor.b12x_refusal(capability_of(torch.device("cuda")), n, k):
+        pytest.skip(reason)
     gen = torch.Generator().manual_seed(t + n + k)
     x, p, codes, scales, enc, alpha = _w4a4_args(t, n, k, gen, "cuda")
     bias = torch.randn(n, generator=gen).to(torch.bfloat16).cuda()
     w, sw = R.prepare_b12x_weight(codes, scales)
-    out = R.b12x_linear(x, w, sw, enc, alpha, n, bias=bias, quantizer=quantizer)
+    out = R.b12x_linear(x, w, sw, enc, alpha, n, bias=bias, quantizer=quantizer,
+                        quant_tile=act_quant_config(t, k, True))
     _close(out, linear_w4a4_ref(x.cpu(), p.codes, p.scales, p.weight_gs, p.input_gs, bias=bias.cpu()).cuda())
 
 
@@ -357,7 +211,7 @@ def test_b12x_sm120(t, n, k, quantizer):
 @pytest.mark.parametrize("backend", R.W4A16_BACKENDS)
 @pytest.mark.parametrize("t,n,k", [(1, 5120, 8192), (16, 10240, 5120), (256, 8192, 28672)])
 def test_flashinfer_w4a16_sm120(t, n, k, backend):
-    reason = R.flashinfer_w4a16_refusal(torch.cuda.get_device_capability(), n, k, backend=backend)
+    reason = vendor.flashinfer_w4a16_refusal(capability_of(torch.device("cuda")), n, k, backend=backend)
     if reason:
         pytest.skip(reason)
     gen = torch.Generator().manual_seed(t + n + k)

@@ -50,7 +50,7 @@ def test_parse_version():
 def test_native_decode_only_where_the_ptx_isa_has_it():
     import torch
 
-    from vllm_nvfp4_sm120.kernels.gluon_gemv import DECODE_CVT, DECODE_PORTABLE, decode_for
+    from vllm_nvfp4_sm120.kernels.gluon_common import DECODE_CVT, DECODE_PORTABLE, decode_for
 
     assert decode_for(12, torch.bfloat16, 93) == DECODE_CVT
     assert decode_for(12, torch.bfloat16, 90) == DECODE_PORTABLE  # CUDA 13.0's ptxas (what FlashInfer selects)

@@ -1,4 +1,4 @@
-"""Gluon gemv_fma / gemv_mma: decode tables, the k permutation, the config, sm_120 compiles, and (GPU) numerics.
+"""Gluon gemv_fma / gemv_mma: decode tables, the k permutation, sm_120 compiles of every tile, and (GPU) numerics.
 
 Gluon cannot run in the interpreter, so the CPU part proves what it can without running the kernels: the inline
 PTX decode tables bit-exactly through a small PTX model, the gemv_mma index arithmetic (warp K slices, the k
@@ -13,7 +13,9 @@ import re
 import pytest
 import torch
 
+from vllm_nvfp4_sm120.dispatch.linear import FMA_TILES, MMA_TILES, all_gemv_tiles, gluon_gemv_tile
 from vllm_nvfp4_sm120.format import linear_w4a16_ref, make_linear, unit_values
+from vllm_nvfp4_sm120.kernels import gluon_common as gc
 from vllm_nvfp4_sm120.kernels import gluon_gemv as gg
 from vllm_nvfp4_sm120.kernels.aot import compile_kernel
 
@@ -73,22 +75,22 @@ def run_ptx_model(asm: str, x: int) -> list[int]:
     return [regs[f"${i}"] for i in range(4)]
 
 
-@pytest.mark.parametrize("key", sorted(gg.E2M1_ASM))
+@pytest.mark.parametrize("key", sorted(gc.E2M1_ASM))
 def test_decode_asm_is_exact_for_every_byte(key):
     _, fmt = key
     for v in range(256):
         word_bytes = [v, v ^ 0x5A, (v * 7 + 3) & 0xFF, 255 - v]  # a different byte in every position
-        out = run_ptx_model(gg.E2M1_ASM[key], sum(b << (8 * i) for i, b in enumerate(word_bytes)))
+        out = run_ptx_model(gc.E2M1_ASM[key], sum(b << (8 * i) for i, b in enumerate(word_bytes)))
         for i, byte in enumerate(word_bytes):
             want = _half_bits(byte & 15, fmt) | (_half_bits(byte >> 4, fmt) << 16)
             assert out[i] == want, f"{key}: byte {byte:#04x} in position {i}: got {out[i]:#010x}, want {want:#010x}"
 
 
 def test_decode_asm_shape():
-    assert gg.E2M1_ASM_CONSTRAINTS == "=r,=r,=r,=r,r"
-    assert "cvt.rn.f16x2.e2m1x2" in gg.E2M1_ASM[("cvt", "f16")]
-    assert "cvt.rn.bf16x2.e2m1x2" in gg.E2M1_ASM[("cvt", "bf16")]
-    assert all("cvt" not in gg.E2M1_ASM[("portable", f)] for f in ("f16", "bf16"))
+    assert gc.E2M1_ASM_CONSTRAINTS == "=r,=r,=r,=r,r"
+    assert "cvt.rn.f16x2.e2m1x2" in gc.E2M1_ASM[("cvt", "f16")]
+    assert "cvt.rn.bf16x2.e2m1x2" in gc.E2M1_ASM[("cvt", "bf16")]
+    assert all("cvt" not in gc.E2M1_ASM[("portable", f)] for f in ("f16", "bf16"))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -150,38 +152,21 @@ def test_mma_kernel_model_matches_reference(gen, n, k, warps):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 3. gemv_config
+# 3. Which tile serves which shape: tests/dispatch/test_linear_dispatch.py (the dispatch chooses it)
 # ------------------------------------------------------------------------------------------------------------
 SHAPES = [(10240, 5120), (5120, 8192), (51200, 5120), (5120, 25600), (57344, 8192), (8192, 28672)]
-
-
-@pytest.mark.parametrize("sm_count", [132, 170, 188])
-@pytest.mark.parametrize("t", [0, 1, 2, 3, 8, 9, 16, 17, 32])
-@pytest.mark.parametrize("n,k", SHAPES + [(40, 272)])
-def test_config_returns_listed_tiles(t, n, k, sm_count):
-    kind, tile = gg.gemv_config(t, n, k, sm_count)
-    assert (kind, tile) in gg.all_gemv_tiles()
-    assert kind == ("fma" if t <= 2 else "mma")
-    if kind == "mma":
-        assert tile.block_t >= t and (tile.block_t == 8 or tile.block_t // 2 < t)
-
-
-def test_config_large_t_is_not_a_gemv():
-    assert gg.gemv_config(33, 5120, 5120, 170) is None
-
-
-def test_config_reaches_every_tile():
-    seen = {gg.gemv_config(t, n, k, sm) for t in range(1, 33) for n, k in SHAPES + [(64, 64)] for sm in (132, 170)}
-    assert set(gg.all_gemv_tiles()) <= seen
 
 
 # ------------------------------------------------------------------------------------------------------------
 # 4. Launcher checks (no GPU needed: they fail or return before any launch)
 # ------------------------------------------------------------------------------------------------------------
+TILE = {gg.gemv_fma: FMA_TILES[0], gg.gemv_mma: MMA_TILES[0]}
+
+
 @pytest.mark.parametrize("fn", [gg.gemv_fma, gg.gemv_mma])
 def test_empty_batch_needs_no_launch(gen, fn):
     p = make_linear(8, 64, gen=gen)
-    out = fn(torch.empty(0, 64, dtype=torch.bfloat16), p.codes, p.scales, p.dec_rows)
+    out = fn(torch.empty(0, 64, dtype=torch.bfloat16), p.codes, p.scales, p.dec_rows, tile=TILE[fn])
     assert out.shape == (0, 8) and out.dtype == torch.bfloat16
 
 
@@ -189,18 +174,19 @@ def test_empty_batch_needs_no_launch(gen, fn):
 def test_bad_input_names_the_tensor(gen, fn):
     p = make_linear(8, 64, gen=gen)
     x = torch.zeros(0, 64, dtype=torch.bfloat16)
+    tile = TILE[fn]
     with pytest.raises(TypeError, match="x: expected dtype"):
-        fn(x.float(), p.codes, p.scales, p.dec_rows)
+        fn(x.float(), p.codes, p.scales, p.dec_rows, tile=tile)
     with pytest.raises(ValueError, match="w_scales: expected shape"):
-        fn(x, p.codes, p.scales[:, :2], p.dec_rows)
+        fn(x, p.codes, p.scales[:, :2], p.dec_rows, tile=tile)
     with pytest.raises(ValueError, match="w_codes: expected shape"):
-        fn(torch.zeros(0, 128, dtype=torch.bfloat16), p.codes, p.scales, p.dec_rows)
+        fn(torch.zeros(0, 128, dtype=torch.bfloat16), p.codes, p.scales, p.dec_rows, tile=tile)
     with pytest.raises(ValueError, match="multiple of 16"):
-        fn(torch.zeros(0, 24, dtype=torch.bfloat16), p.codes[:, :12], p.scales[:, :1], p.dec_rows)
+        fn(torch.zeros(0, 24, dtype=torch.bfloat16), p.codes[:, :12], p.scales[:, :1], p.dec_rows, tile=tile)
     with pytest.raises(TypeError, match="w_dec_rows: expected dtype"):
-        fn(x, p.codes, p.scales, p.dec_rows.half())
+        fn(x, p.codes, p.scales, p.dec_rows.half(), tile=tile)
     with pytest.raises(ValueError, match="bias: expected shape"):
-        fn(x, p.codes, p.scales, p.dec_rows, bias=torch.zeros(7, dtype=torch.bfloat16))
+        fn(x, p.codes, p.scales, p.dec_rows, bias=torch.zeros(7, dtype=torch.bfloat16), tile=tile)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -231,7 +217,7 @@ def _count(pattern, text):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("kind,tile", gg.all_gemv_tiles(), ids=str)
+@pytest.mark.parametrize("kind,tile", all_gemv_tiles(), ids=str)
 def test_every_tile_compiles_for_sm120(kind, tile):
     rep = _compile(kind, tile)
     rep.require_no_local().require_smem()
@@ -254,7 +240,7 @@ def test_every_tile_compiles_for_sm120(kind, tile):
 @pytest.mark.compile
 @pytest.mark.parametrize("kind", ["fma", "mma"])
 def test_fp16_tail_and_portable_variants_compile(kind):
-    tile = gg.FMA_TILES[1] if kind == "fma" else gg.MMA_TILES[2]
+    tile = FMA_TILES[1] if kind == "fma" else MMA_TILES[2]
     f16 = _compile(kind, tile, dtype="fp16").require_no_local().require_smem()
     f16.require_ptx(r"cvt\.rn\.f16x2\.e2m1x2")
     if kind == "mma":
@@ -289,7 +275,7 @@ def _check(kind, tile, t, n, k, dtype, gen, strided=False, bias=False):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind,tile", gg.all_gemv_tiles(), ids=str)
+@pytest.mark.parametrize("kind,tile", all_gemv_tiles(), ids=str)
 @pytest.mark.parametrize("n,k", SMALL)
 def test_gpu_every_tile_small_shapes(gen, kind, tile, n, k):
     for t in sorted({1, tile.block_t, tile.block_t + 1}):
@@ -297,7 +283,7 @@ def test_gpu_every_tile_small_shapes(gen, kind, tile, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind,tile", gg.all_gemv_tiles(), ids=str)
+@pytest.mark.parametrize("kind,tile", all_gemv_tiles(), ids=str)
 def test_gpu_every_tile_fp16_and_real_k(gen, kind, tile):
     _check(kind, tile, min(tile.block_t, 3), 272, 5120, torch.float16, gen, bias=True)
 
@@ -311,14 +297,17 @@ REAL_CASES = [(n, k, t) for n, k in SHAPES for t in ((1, 2, 5, 16, 32) if k <= 8
 @pytest.mark.parametrize("n,k,t", REAL_CASES, ids=lambda v: str(v))
 def test_gpu_real_shapes_with_the_configured_tile(gen, n, k, t):
     sm = torch.cuda.get_device_properties(0).multi_processor_count
-    kind, tile = gg.gemv_config(t, n, k, sm)
+    kind, tile = gluon_gemv_tile(t, n, k, sm)
     _check(kind, tile, t, n, k, torch.bfloat16, gen, strided=(t == 5))
 
 
 @pytest.mark.gpu
 def test_gpu_empty_batch_and_dispatcher(gen):
+    from vllm_nvfp4_sm120.dispatch.registry import gemv
+
     p = make_linear(64, 256, gen=gen).to("cuda")
-    assert gg.gemv(torch.empty(0, 256, dtype=torch.bfloat16, device="cuda"), p.codes, p.scales, p.dec_rows).shape == (0, 64)
+    empty = torch.empty(0, 256, dtype=torch.bfloat16, device="cuda")
+    assert gemv(empty, p.codes, p.scales, p.dec_rows).shape == (0, 64)
     x = torch.randn(3, 256, generator=gen).to(torch.bfloat16).cuda()
-    torch.testing.assert_close(gg.gemv(x, p.codes, p.scales, p.dec_rows),
+    torch.testing.assert_close(gemv(x, p.codes, p.scales, p.dec_rows),
                                linear_w4a16_ref(x, p.codes, p.scales, p.dec_rows), rtol=1.6e-2, atol=1e-4)

@@ -65,10 +65,11 @@ def test_w4a16_compiles_for_sm120(tile, gated, use_tma):
 
 
 def test_dispatch_gluon_tiles_are_the_compiled_ones():
+    from vllm_nvfp4_sm120.dispatch.hw import Capability
     from vllm_nvfp4_sm120.dispatch.moe import all_moe_plans
 
     compiled = set(W4A16_TILES.values())
-    gluon = [p for p in all_moe_plans((12, 0)) if p.backend == "gluon" and p.kernel == "w4a16"]
+    gluon = [p for p in all_moe_plans(Capability(120)) if p.impl == "gluon" and p.kernel == "w4a16"]
     assert {p.block_m for p in gluon} == {64, 128}
     for p in gluon:
         assert p.gate_up.block_k == p.down.block_k and p.gate_up.num_warps == p.down.num_warps
@@ -98,15 +99,16 @@ def test_w4a16_launcher_checks():
     dec = torch.ones(e)
     z = torch.zeros(8, dtype=torch.int32)
     align = MoeAlignment(z.repeat(16), z, z[:1], 64, t * k, k)
+    tile = dict(block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=2)
     with pytest.raises(ValueError, match="block_k"):
-        g16.gluon_moe_w4a16_gate_up(x, codes, scales, dec, align, block_k=32)
+        g16.gluon_moe_w4a16_gate_up(x, codes, scales, dec, align, **(tile | dict(block_k=32)))
     with pytest.raises(ValueError, match="shared memory"):
-        g16.gluon_moe_w4a16_gate_up(x, codes, scales, dec, align, block_n=256, num_stages=3)
+        g16.gluon_moe_w4a16_gate_up(x, codes, scales, dec, align, **(tile | dict(block_n=256, num_stages=3)))
     with pytest.raises(TypeError, match="x: expected dtype"):
-        g16.gluon_moe_w4a16_gate_up(x.float(), codes, scales, dec, align)
+        g16.gluon_moe_w4a16_gate_up(x.float(), codes, scales, dec, align, **tile)
     # T = 0: nothing to launch, the empty intermediate comes back.
     empty = MoeAlignment(z, z, z[:1], 64, 0, k)
-    assert g16.gluon_moe_w4a16_gate_up(x[:0], codes, scales, dec, empty).shape == (0, i)
+    assert g16.gluon_moe_w4a16_gate_up(x[:0], codes, scales, dec, empty, **tile).shape == (0, i)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -122,7 +124,7 @@ def _run_w4a16(x, w13, d13, w2, d2, tw, ti, e, tile, *, use_tma=None, activation
     t, h = x.shape
     k = ti.shape[1]
     i = w2.codes.shape[2] * 2
-    kw = dict(block_k=bk, num_warps=warps, num_stages=stages, persistent=persistent)
+    kw = dict(block_k=bk, group_m=8, num_warps=warps, num_stages=stages, persistent=persistent)
     align = moe_align(ti, e, bm)
     tma_gu = h % bk == 0 if use_tma is None else use_tma
     tma_dn = i % bk == 0 if use_tma is None else use_tma
@@ -171,12 +173,13 @@ def test_w4a16_pointer_loader_fp16_gelu_deterministic(tile):
 @pytest.mark.parametrize("name", ["qwen3-235b-a22b", "deepseek-v3", "qwen3-next-80b"])
 def test_w4a16_dispatch_tiles_real_shapes(name, m):
     # The sm_120 dispatch's Gluon plan for the other checkpoints of issue 5 at BLOCK_M 64 and 128.
+    from vllm_nvfp4_sm120.dispatch.hw import Capability
     from vllm_nvfp4_sm120.dispatch.moe import as_gluon, select_moe_plan
     from vllm_nvfp4_sm120.format import moe_ref
 
     h, i, e, k, w13, d13, w2, d2 = layer(name)
     t = -(-m * e // k)
-    plan = as_gluon(select_moe_plan((12, 0), num_tokens=t, top_k=k, global_experts=e, hidden=h, intermediate=i,
+    plan = as_gluon(select_moe_plan(Capability(120), num_tokens=t, top_k=k, global_experts=e, hidden=h, intermediate=i,
                                     w4a4=False), i)
     key = (plan.block_m, plan.gate_up.block_n, plan.down.block_n, plan.down.block_k, plan.down.num_warps,
            plan.down.num_stages, plan.down.persistent)

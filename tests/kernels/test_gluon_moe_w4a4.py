@@ -81,10 +81,11 @@ def test_w4a4_compiles_for_sm120(tile, gated, use_tma):
 
 
 def test_dispatch_gluon_tiles_are_the_compiled_ones():
+    from vllm_nvfp4_sm120.dispatch.hw import Capability
     from vllm_nvfp4_sm120.dispatch.moe import all_moe_plans
 
     compiled = set(W4A4_TILES.values())
-    gluon = [p for p in all_moe_plans((12, 0)) if p.backend == "gluon" and p.kernel == "w4a4"]
+    gluon = [p for p in all_moe_plans(Capability(120)) if p.impl == "gluon" and p.kernel == "w4a4"]
     assert {p.block_m for p in gluon} == {64, 128}
     assert {p.down.epilogue_warps for p in gluon} == {0, g4.EPILOGUE_WARPS}  # both sides of the I rule
     for p in gluon:
@@ -118,27 +119,30 @@ def test_w4a4_launcher_checks():
     dec, enc = torch.ones(e), torch.ones(1)
     z = torch.zeros(8, dtype=torch.int32)
     align = MoeAlignment(z.repeat(16), z, z[:1], 64, t * k, k)
+    tile = dict(block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3)
     with pytest.raises(ValueError, match="block_k"):
-        g4.gluon_moe_w4a4_gate_up(ac, asf, codes, scales, dec, enc, enc, align, block_k=64)
+        g4.gluon_moe_w4a4_gate_up(ac, asf, codes, scales, dec, enc, enc, align, **(tile | dict(block_k=64)))
     with pytest.raises(ValueError, match="shared memory"):
-        g4.gluon_moe_w4a4_gate_up(ac, asf, codes, scales, dec, enc, enc, align, block_n=128, num_stages=6)
+        g4.gluon_moe_w4a4_gate_up(ac, asf, codes, scales, dec, enc, enc, align,
+                                  **(tile | dict(block_n=128, num_stages=6)))
     with pytest.raises(TypeError, match="a_codes: expected dtype"):
-        g4.gluon_moe_w4a4_gate_up(ac.float(), asf, codes, scales, dec, enc, enc, align)
+        g4.gluon_moe_w4a4_gate_up(ac.float(), asf, codes, scales, dec, enc, enc, align, **tile)
     with pytest.raises(ValueError, match="a13_enc"):
-        g4.gluon_moe_w4a4_gate_up(ac, asf, codes, scales, dec, torch.ones(2), enc, align)
+        g4.gluon_moe_w4a4_gate_up(ac, asf, codes, scales, dec, torch.ones(2), enc, align, **tile)
     # T = 0: nothing to launch, the empty intermediate / untouched output comes back.
     empty = MoeAlignment(z, z, z[:1], 64, 0, k)
-    ic, isf = g4.gluon_moe_w4a4_gate_up(ac[:0], asf[:0], codes, scales, dec, enc, enc, empty)
+    ic, isf = g4.gluon_moe_w4a4_gate_up(ac[:0], asf[:0], codes, scales, dec, enc, enc, empty, **tile)
     assert ic.shape == (0, i // 2) and isf.shape == (0, i // 16)
     w2 = torch.zeros(e, h, i // 2, dtype=torch.uint8)
     w2s = torch.zeros(e, h, i // 16, dtype=torch.float8_e4m3fn)
     out = torch.zeros(0, h)
-    assert g4.gluon_moe_w4a4_down(ic, isf, w2, w2s, dec, enc, torch.zeros(0, k), empty, out) is out
+    assert g4.gluon_moe_w4a4_down(ic, isf, w2, w2s, dec, enc, torch.zeros(0, k), empty, out, **tile) is out
     # Epilogue warps: a persistent down GEMM feature.
     ic, isf = torch.zeros(t * k, i // 2, dtype=torch.uint8), torch.zeros(t * k, i // 16, dtype=torch.float8_e4m3fn)
     for kw in (dict(epilogue_warps=4), dict(epilogue_warps=2, persistent=True)):
         with pytest.raises(ValueError, match="epilogue_warps"):
-            g4.gluon_moe_w4a4_down(ic, isf, w2, w2s, dec, enc, torch.zeros(t, k), align, torch.zeros(t, h), **kw)
+            g4.gluon_moe_w4a4_down(ic, isf, w2, w2s, dec, enc, torch.zeros(t, k), align, torch.zeros(t, h),
+                                   **tile, **kw)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -148,13 +152,18 @@ TOKENS = [0, 64, 512]
 
 
 def _check_layer(name, t, skewed, tile, *, activation="silu", use_tma=None, x_pad=0):
+    """``use_tma=None``: the weight codes by TMA where the dispatch would use it (K % 256 == 0)."""
+    from vllm_nvfp4_sm120.dispatch.linear import act_quant_config
+    from vllm_nvfp4_sm120.dispatch.moe import TMA_K_MULTIPLE
     from vllm_nvfp4_sm120.format import GlobalScale, moe_ref, quantize_nvfp4
     from vllm_nvfp4_sm120.kernels.moe_align import moe_align, moe_sum
     from vllm_nvfp4_sm120.kernels.moe_w4a4 import moe_quant_input
 
     h, i, e, k, w13, d13, w2, d2 = layer(name)
     bm, bn_gu, bn_dn, bk, warps, stages, persistent, epi = W4A4_TILES[tile]
-    kw = dict(block_k=bk, num_warps=warps, num_stages=stages, persistent=persistent, decode=True, use_tma=use_tma)
+    kw = dict(block_k=bk, group_m=8, num_warps=warps, num_stages=stages, persistent=persistent, decode=True)
+    tma_gu = h % TMA_K_MULTIPLE == 0 if use_tma is None else use_tma
+    tma_dn = i % TMA_K_MULTIPLE == 0 if use_tma is None else use_tma
     # Row-strided input when x_pad: the quantizer reads it, the GEMMs read its (contiguous) codes.
     x = torch.randn(t, h + x_pad, device="cuda", dtype=torch.bfloat16)[:, :h]
     tw, ti = routing(t, e, k, skewed)
@@ -162,20 +171,21 @@ def _check_layer(name, t, skewed, tile, *, activation="silu", use_tma=None, x_pa
     a2 = GlobalScale.from_amax(24.0).to("cuda")
     align = moe_align(ti, e, bm)
 
-    ac, asf = moe_quant_input(x, a13.enc)
+    ac, asf = moe_quant_input(x, a13.enc, **act_quant_config(t, h))
     xq = quantize_nvfp4(x.cpu(), a13)  # on the CPU: IEEE divisions by construction
     torch.testing.assert_close(ac.cpu(), xq.codes, rtol=0, atol=0)
     torch.testing.assert_close(asf.cpu().view(torch.uint8), xq.scales.view(torch.uint8), rtol=0, atol=0)
 
     ic, isf = g4.gluon_moe_w4a4_gate_up(ac, asf, w13.codes, w13.scales, d13, a13.enc.reshape(1),
-                                        a2.enc.reshape(1), align, activation=activation, block_n=bn_gu, **kw)
+                                        a2.enc.reshape(1), align, activation=activation, block_n=bn_gu,
+                                        use_tma=tma_gu, **kw)
     assert ic.shape == (t * k, i // 2) and isf.shape == (t * k, i // 16)
     out = torch.zeros(t, h, device="cuda")
     g4.gluon_moe_w4a4_down(ic, isf, w2.codes, w2.scales, d2, a2.enc.reshape(1), tw, align, out, block_n=bn_dn,
-                           epilogue_warps=epi, **kw)
+                           epilogue_warps=epi, use_tma=tma_dn, **kw)
     det = torch.zeros(t * k, h, device="cuda")
     g4.gluon_moe_w4a4_down(ic, isf, w2.codes, w2.scales, d2, a2.enc.reshape(1), tw, align, det, deterministic=True,
-                           block_n=bn_dn, epilogue_warps=epi, **kw)
+                           block_n=bn_dn, epilogue_warps=epi, use_tma=tma_dn, **kw)
     if t == 0:
         return
 
@@ -215,6 +225,7 @@ def test_w4a4_gluon_plan_through_the_flow():
     # The dispatch's sm_120 plan at 64 routes per expert (persistent BLOCK_M 64, down GEMM with epilogue warps since
     # I < 1024) run by the layer flow, bitwise equal (deterministic sum) to the launchers called by hand without
     # epilogue warps -- which the tests above check against the references.
+    from vllm_nvfp4_sm120.dispatch.linear import act_quant_config
     from vllm_nvfp4_sm120.dispatch.moe import as_gluon
     from vllm_nvfp4_sm120.dispatch.moe_flow import nvfp4_moe, plan_for
     from vllm_nvfp4_sm120.format import GlobalScale
@@ -233,14 +244,14 @@ def test_w4a4_gluon_plan_through_the_flow():
     out = nvfp4_moe(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, a13_enc=a13_enc,
                     a2_enc=a2_enc, deterministic=True, plan=plan)
 
-    kw = dict(block_k=128, num_warps=4, num_stages=3, persistent=True, decode=True)
+    kw = dict(block_k=128, group_m=8, num_warps=4, num_stages=3, persistent=True, decode=True)
     align = moe_align(ti, e, 64)
-    ac, asf = moe_quant_input(x, a13_enc)
+    ac, asf = moe_quant_input(x, a13_enc, **act_quant_config(t, h))
     ic, isf = g4.gluon_moe_w4a4_gate_up(ac, asf, w13.codes, w13.scales, d13, a13_enc, a2_enc, align, block_n=64,
-                                        **kw)
+                                        use_tma=plan.gate_up.use_tma, **kw)
     det = torch.zeros(t * k, h, device="cuda")
     g4.gluon_moe_w4a4_down(ic, isf, w2.codes, w2.scales, d2, a2_enc, tw, align, det, deterministic=True,
-                           block_n=64, **kw)
+                           block_n=64, use_tma=plan.down.use_tma, **kw)
     torch.testing.assert_close(out, moe_sum(det, k, torch.empty_like(x)), atol=0, rtol=0)
 
 
@@ -257,11 +268,12 @@ def _tile_of(plan) -> str:
 def test_w4a4_dispatch_tiles_real_shapes(name, m):
     # The sm_120 dispatch's Gluon plan for the other checkpoints of issue 5 at BLOCK_M 64 and 128 (Qwen3-Next:
     # I = 512, so its persistent down GEMM runs with epilogue warps), against the references.
+    from vllm_nvfp4_sm120.dispatch.hw import Capability
     from vllm_nvfp4_sm120.dispatch.moe import as_gluon, select_moe_plan
 
     h, i, e, k = SHAPES[name]
     t = -(-m * e // k)
-    plan = as_gluon(select_moe_plan((12, 0), num_tokens=t, top_k=k, global_experts=e, hidden=h, intermediate=i,
+    plan = as_gluon(select_moe_plan(Capability(120), num_tokens=t, top_k=k, global_experts=e, hidden=h, intermediate=i,
                                     w4a4=True), i)
     assert plan.block_m == (64 if m == 64 else 128)
     _check_layer(name, t, False, _tile_of(plan))

@@ -10,6 +10,7 @@ import functools
 
 import pytest
 
+from vllm_nvfp4_sm120.dispatch.hw import Capability
 from vllm_nvfp4_sm120.dispatch.moe import all_moe_plans
 from vllm_nvfp4_sm120.kernels import moe_align as al
 from vllm_nvfp4_sm120.kernels import moe_w4a4 as w4
@@ -17,7 +18,7 @@ from vllm_nvfp4_sm120.kernels import moe_w4a16 as w16
 from vllm_nvfp4_sm120.kernels.aot import PTX_TMA_LOAD, SASS_OMMA_NVFP4, compile_kernel
 
 pytestmark = pytest.mark.compile
-SM120 = (12, 0)
+SM120 = Capability(120)
 E4M3_CVT = r"cvt\.rn\.satfinite\.e4m3x2\.f32"
 _LOG = []
 
@@ -39,7 +40,7 @@ def compile_(kernel, sig, consts, divisible, num_warps=4, num_stages=3):
 def _gemm_jobs():
     jobs = {}
     for p in all_moe_plans(SM120):
-        if p.backend == "gluon":
+        if p.impl == "gluon":
             continue  # the Gluon GEMM's tiles are compiled in test_gluon_moe.py
         for which, tile in (("gate_up", p.gate_up), ("down", p.down)):
             if p.kernel == "w4a16":

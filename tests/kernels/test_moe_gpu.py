@@ -8,6 +8,7 @@ import pytest
 import torch
 from moe_gpu_common import SHAPES, assert_moe_close, layer, routing, w4a4_reference, w4a4_scales
 
+from vllm_nvfp4_sm120.dispatch.linear import act_quant_config
 from vllm_nvfp4_sm120.dispatch.moe_flow import nvfp4_moe, plan_for
 from vllm_nvfp4_sm120.format import moe_ref, quantize_nvfp4
 from vllm_nvfp4_sm120.kernels.moe_align import moe_align, moe_sum
@@ -45,7 +46,7 @@ def test_w4a4_layer(name, t, skewed, decode=False, activation="silu", dtype=torc
         return
     plan = replace(plan, decode=decode or plan.decode)
     align = moe_align(ti, e, plan.block_m)
-    ac, asf = moe_quant_input(x, a13.enc)
+    ac, asf = moe_quant_input(x, a13.enc, **act_quant_config(t, h))
     xq = quantize_nvfp4(x.cpu(), a13)  # on the CPU: IEEE divisions by construction
     torch.testing.assert_close(ac.cpu(), xq.codes, rtol=0, atol=0)
     torch.testing.assert_close(asf.cpu().view(torch.uint8), xq.scales.view(torch.uint8), rtol=0, atol=0)

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_nvfp4_sm120.dispatch.linear import act_quant_config
 from vllm_nvfp4_sm120.format import GlobalScale, make_moe_bank, quantize_nvfp4, topk_route, unit_values
 from vllm_nvfp4_sm120.format.e2m1 import E2M1_MAGNITUDES
 from vllm_nvfp4_sm120.format.reference import gated_activation
@@ -33,17 +34,17 @@ def test_input_quant_bit_exact(enc, gen):
     x[4, :16] = -0.0
     x[5, :16] = 1e-30
     x = x.half()
-    codes, scales = moe_quant_input(x.to(_device()), torch.tensor([enc], device=_device()))
+    codes, scales = moe_quant_input(x.to(_device()), torch.tensor([enc], device=_device()), **act_quant_config(37, 96))
     _assert_exact(codes, scales, quantize_nvfp4(x, GlobalScale.from_encode(enc)))
 
 
 def test_input_quant_strided_and_empty(gen):
     x = torch.randn(5, 96, generator=gen).half()
     enc = torch.tensor([100.0], device=_device())
-    codes, scales = moe_quant_input(x.to(_device())[:, :64], enc)
+    codes, scales = moe_quant_input(x.to(_device())[:, :64], enc, **act_quant_config(5, 64))
     x = x[:, :64]
     _assert_exact(codes, scales, quantize_nvfp4(x, GlobalScale.from_encode(100.0)))
-    c0, s0 = moe_quant_input(x[:0].to(_device()), enc)
+    c0, s0 = moe_quant_input(x[:0].to(_device()), enc, **act_quant_config(0, 64))
     assert c0.shape == (0, 32) and s0.shape == (0, 4)
 
 
@@ -102,9 +103,10 @@ def test_gate_up_epilogue_quantizes_reference_intermediate(activation, gen):
     tw, ti = topk_route(torch.randn(t, e, generator=gen), k)
     a13, a2 = GlobalScale.of(x), GlobalScale.from_amax(6.0)
     align = moe_align(ti, e, 16)
-    ac, asf = moe_quant_input(x, a13.enc.reshape(1))
+    ac, asf = moe_quant_input(x, a13.enc.reshape(1), **act_quant_config(t, h))
     ic, isf = moe_w4a4_gate_up(ac, asf, w13.codes, w13.scales, d13, a13.enc.reshape(1), a2.enc.reshape(1), align,
-                               activation=activation, decode=True, block_n=32, block_k=64)
+                               activation=activation, decode=True, block_n=32, block_k=64, group_m=8, num_warps=4,
+                               num_stages=3)
     x_in = unit_values(ac, asf)
     for ex in range(e):
         r = (ti.reshape(-1) == ex).nonzero().flatten()
@@ -115,6 +117,6 @@ def test_gate_up_epilogue_quantizes_reference_intermediate(activation, gen):
 
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="a13_enc: expected one fp32 encode scale"):
-        moe_quant_input(torch.zeros(2, 32, dtype=torch.float16), torch.ones(2))
+        moe_quant_input(torch.zeros(2, 32, dtype=torch.float16), torch.ones(2), **act_quant_config(2, 32))
     with pytest.raises(ValueError, match=r"x: K = 40 .* multiple of 16"):
-        moe_quant_input(torch.zeros(2, 40, dtype=torch.float16), torch.ones(1))
+        moe_quant_input(torch.zeros(2, 40, dtype=torch.float16), torch.ones(1), **act_quant_config(2, 40))

@@ -17,25 +17,30 @@ from vllm_nvfp4_sm120.format import linear_w4a16_ref, make_linear, unit_values
 from vllm_nvfp4_sm120.kernels.aot import compile_kernel
 from vllm_nvfp4_sm120.kernels.w4a16_linear import (
     FINISH_BLOCK_N,
-    GEMV_MAX_T,
     W4A16_FINISH_DIVISIBLE,
     W4A16_FINISH_SIGNATURE,
-    W4A16_GEMM_CONFIGS_SM90,
     W4A16_GEMM_DIVISIBLE,
     W4A16_GEMM_SIGNATURE,
-    W4A16_GEMV_CONFIGS,
     W4A16_GEMV_DIVISIBLE,
     W4A16_GEMV_SIGNATURE,
-    w4a16_configs,
     w4a16_gemm,
     w4a16_gemv,
 )
 
-from vllm_nvfp4_sm120.dispatch.linear import gemv_split_k, w4a16_plan  # noqa: E402  (the tile rules live in dispatch)
+# The tiles and their rules live in the dispatch.
+from vllm_nvfp4_sm120.dispatch.hw import Capability, Family  # noqa: E402
+from vllm_nvfp4_sm120.dispatch.linear import (  # noqa: E402
+    W4A16_GEMM_CONFIGS_SM90,
+    W4A16_GEMV_CONFIGS,
+    W4A16_GEMV_MAX_T,
+    gemv_split_k,
+    w4a16_configs,
+    w4a16_plan,
+)
 
 
 def suggest_w4a16_config(t, n, k, sm_count, cc_major):
-    plan = w4a16_plan(t, n, k, sm_count, cc_major, small=True)
+    plan = w4a16_plan(Capability(cc_major * 10, sm_count), t, n, k, small=True)
     return plan.kernel.removeprefix("w4a16_"), plan.kwargs
 
 
@@ -82,6 +87,9 @@ SMALL_SHAPES = [(24, 64), (40, 160), (40, 96)]
 # Tiles small enough for tiny shapes, so row, K and token tails are all exercised.
 SMALL_GEMV = dict(block_n=16, block_k=64, num_warps=4, num_stages=2)
 SMALL_GEMM = dict(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=2)
+SMALL_TILE = {w4a16_gemv: dict(SMALL_GEMV, split_k=1), w4a16_gemm: SMALL_GEMM}
+# A split-K decode tile of the dispatch's (64-row tiles: the medium-N one).
+GEMV_TILE = W4A16_GEMV_CONFIGS[1]
 
 
 def _small_problem(n, k, gen, widths=None):
@@ -141,8 +149,8 @@ def test_out_argument_is_written(gen):
 def test_t_zero_launches_nothing(gen):
     codes, scales, dec_rows, _ = _small_problem(24, 64, gen)
     x = torch.empty(0, 64, dtype=torch.float16, device=DEVICE)
-    assert w4a16_gemv(x, codes, scales, dec_rows).shape == (0, 24)
-    assert w4a16_gemm(x, codes, scales, dec_rows).shape == (0, 24)
+    assert w4a16_gemv(x, codes, scales, dec_rows, **SMALL_TILE[w4a16_gemv]).shape == (0, 24)
+    assert w4a16_gemm(x, codes, scales, dec_rows, **SMALL_TILE[w4a16_gemm]).shape == (0, 24)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -180,10 +188,10 @@ def test_bad_input_names_the_tensor(fn, change, error, match, gen):
     args = _good(gen)
     change(args)
     if match is None:
-        assert fn(**args).shape == (2, 24)
+        assert fn(**args, **SMALL_TILE[fn]).shape == (2, 24)
         return
     with pytest.raises(error, match=match):
-        fn(**args)
+        fn(**args, **SMALL_TILE[fn])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -205,8 +213,8 @@ REAL_SHAPES = {  # name: (N, K)
 @pytest.mark.parametrize("t", [1, 2, 3, 8, 16, 17, 48, 256, 2048, 8192])
 def test_suggestions_are_listed_configs(t, n, k, sm_count, cc_major):
     kind, cfg = suggest_w4a16_config(t, n, k, sm_count, cc_major)
-    assert kind == ("gemv" if t <= GEMV_MAX_T else "gemm")
-    listed = [c for kk, c in w4a16_configs(cc_major) if kk == kind]
+    assert kind == ("gemv" if t <= W4A16_GEMV_MAX_T else "gemm")
+    listed = [c for kk, c in w4a16_configs(Family.SM90 if cc_major == 9 else Family.SM120) if kk == kind]
     assert {kk: v for kk, v in cfg.items() if kk != "split_k"} in listed
     if kind == "gemv":
         split = cfg["split_k"]
@@ -241,8 +249,8 @@ def _config_id(kind, cfg):
     return f"{kind}-" + "-".join(f"{k}{v}" for k, v in cfg.items())
 
 
-SM120_CONFIGS = w4a16_configs(12)
-ALL_CONFIGS = w4a16_configs(9)  # the sm_120 list plus the Hopper-only tile: everything runs on the H200
+SM120_CONFIGS = w4a16_configs(Family.SM120)
+ALL_CONFIGS = w4a16_configs(Family.SM90)  # the sm_120 list plus the Hopper-only tile: everything runs on the H200
 assert all(c in ALL_CONFIGS for c in SM120_CONFIGS)
 
 
@@ -377,8 +385,8 @@ def test_every_config_on_gpu(kind, cfg, dtype):
 def test_split_k_is_deterministic():
     codes, scales, _, _, dec_rows, _ = _real_weight(5120, 25600)
     x = _x(8, 25600, torch.bfloat16, torch.Generator().manual_seed(3))
-    a = w4a16_gemv(x, codes, scales, dec_rows, split_k=8)
-    b = w4a16_gemv(x, codes, scales, dec_rows, split_k=8)
+    a = w4a16_gemv(x, codes, scales, dec_rows, split_k=8, **GEMV_TILE)
+    b = w4a16_gemv(x, codes, scales, dec_rows, split_k=8, **GEMV_TILE)
     assert torch.equal(a, b)
 
 
@@ -387,10 +395,10 @@ def test_gemv_under_cuda_graph():
     """No host sync, shape-only allocation: capture once, replay with new activations."""
     codes, scales, _, _, dec_rows, _ = _real_weight(10240, 5120)
     x = _x(4, 5120, torch.bfloat16, torch.Generator().manual_seed(4)).contiguous()
-    w4a16_gemv(x, codes, scales, dec_rows, split_k=4)  # compile outside the capture
+    w4a16_gemv(x, codes, scales, dec_rows, split_k=4, **GEMV_TILE)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = w4a16_gemv(x, codes, scales, dec_rows, split_k=4)
+        out = w4a16_gemv(x, codes, scales, dec_rows, split_k=4, **GEMV_TILE)
     x.copy_(torch.randn(x.shape, device="cuda").to(x.dtype))
     graph.replay()
     torch.cuda.synchronize()

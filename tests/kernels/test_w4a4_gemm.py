@@ -8,12 +8,20 @@ The sm_120 compile checks of every tile in the dispatch table live in tests/disp
 import pytest
 import torch
 
+from vllm_nvfp4_sm120.dispatch.hw import SM120_REFERENCE
+from vllm_nvfp4_sm120.dispatch.linear import select_linear
 from vllm_nvfp4_sm120.format import quantize_nvfp4, random_nvfp4, unit_values
 from vllm_nvfp4_sm120.kernels.w4a4_gemm import w4a4_gemm
 
 REAL_SHAPES = [  # (N, K): Qwen3-32B and Llama-3.3-70B linears
     (10240, 5120), (5120, 8192), (51200, 5120), (5120, 25600), (57344, 8192), (8192, 28672),
 ]
+SMALL = dict(block_m=16, block_n=16, block_k=64, group_m=8, num_warps=4, num_stages=3)  # tiny shapes' tails
+
+
+def _tile(t, n, k):
+    """The W4A4 tile the sm_120 dispatch runs at T (from T = 17 on: below it, the route runs a W4A16 kernel)."""
+    return select_linear(SM120_REFERENCE, "triton", max(t, 17), n, k).kwargs
 
 
 def _problem(t, n, k, device, gen, a_row_pad=0):
@@ -43,8 +51,7 @@ def test_decode_path_interpreter(t, n, k, bias, gen):
         pytest.skip("interpreter test (CPU only)")
     a_codes, a_scales, w_codes, w_scales, alpha = _problem(t, n, k, "cpu", gen, a_row_pad=16)
     b = torch.randn(n, generator=gen).to(torch.float16) if bias else None
-    out = w4a4_gemm(a_codes, a_scales, w_codes, w_scales, alpha, torch.float16, bias=b, decode=True,
-                    block_m=16, block_n=16, block_k=64)
+    out = w4a4_gemm(a_codes, a_scales, w_codes, w_scales, alpha, torch.float16, bias=b, decode=True, **SMALL)
     assert out.shape == (t, n) and out.dtype == torch.float16
     _close(out, _reference(a_codes, a_scales, w_codes, w_scales, alpha, b))
 
@@ -58,8 +65,7 @@ def test_matches_w4a4_linear_reference(gen):
     x = torch.randn(5, 64, generator=gen).to(torch.float16)
     xq = quantize_nvfp4(x, p.input_gs)
     alpha = (p.input_gs.dec * p.weight_gs.dec).reshape(())
-    out = w4a4_gemm(xq.codes, xq.scales, p.codes, p.scales, alpha, torch.float16, decode=True,
-                    block_m=16, block_n=16, block_k=64)
+    out = w4a4_gemm(xq.codes, xq.scales, p.codes, p.scales, alpha, torch.float16, decode=True, **SMALL)
     ref = linear_w4a4_ref(x, p.codes, p.scales, p.weight_gs, p.input_gs)
     torch.testing.assert_close(out, ref, rtol=2**-9, atol=1e-3)
 
@@ -69,13 +75,13 @@ def test_bad_input_names_tensor():
     scales = torch.zeros(4, 4, dtype=torch.float8_e4m3fn)
     alpha = torch.ones(())
     with pytest.raises(ValueError, match=r"w_scales: expected shape \[6, 4\], got \[4, 4\]"):
-        w4a4_gemm(codes, scales, torch.zeros(6, 32, dtype=torch.uint8), scales, alpha, torch.bfloat16)
+        w4a4_gemm(codes, scales, torch.zeros(6, 32, dtype=torch.uint8), scales, alpha, torch.bfloat16, **SMALL)
     with pytest.raises(TypeError, match="a_codes: expected dtype uint8"):
-        w4a4_gemm(codes.float(), scales, codes, scales, alpha, torch.bfloat16)
+        w4a4_gemm(codes.float(), scales, codes, scales, alpha, torch.bfloat16, **SMALL)
     with pytest.raises(ValueError, match="block_k"):
-        w4a4_gemm(codes, scales, codes, scales, alpha, torch.bfloat16, block_k=32)
+        w4a4_gemm(codes, scales, codes, scales, alpha, torch.bfloat16, **(SMALL | dict(block_k=32)))
     with pytest.raises(ValueError, match=r"w_codes: expected shape \[\*, 32\]"):
-        w4a4_gemm(codes, scales, torch.zeros(4, 16, dtype=torch.uint8), scales, alpha, torch.bfloat16)
+        w4a4_gemm(codes, scales, torch.zeros(4, 16, dtype=torch.uint8), scales, alpha, torch.bfloat16, **SMALL)
 
 
 @pytest.mark.gpu
@@ -84,8 +90,7 @@ def test_bad_input_names_tensor():
 @pytest.mark.parametrize("decode", [False, True])
 def test_real_shapes_gpu(n, k, t, decode, gen):
     args = _problem(t, n, k, "cuda", gen, a_row_pad=8 if t == 17 else 0)
-    tile = dict(block_m=64, block_n=128, block_k=128, num_warps=4) if t <= 64 else dict(num_warps=8)
-    out = w4a4_gemm(*args, torch.bfloat16, decode=decode, **tile)
+    out = w4a4_gemm(*args, torch.bfloat16, decode=decode, **_tile(t, n, k))
     _close(out, _reference(*args))
 
 
@@ -95,6 +100,6 @@ def test_real_shapes_gpu(n, k, t, decode, gen):
 def test_small_odd_shapes_gpu(t, n, k, out_dtype, gen):
     args = _problem(t, n, k, "cuda", gen)
     bias = torch.randn(n, device="cuda").to(out_dtype)
-    out = w4a4_gemm(*args, out_dtype, bias=bias)
+    out = w4a4_gemm(*args, out_dtype, bias=bias, **_tile(t, n, k))
     assert out.shape == (t, n) and out.dtype == out_dtype
     _close(out, _reference(*args, bias=bias))

@@ -1,8 +1,8 @@
 """Make the cuBLAS and b12x routes selectable on a CPU-only machine.
 
-The refusal functions of ``kernels/fp4_routes.py`` (rightly) refuse a CPU or a missing toolkit; here they are
-replaced to accept, while the real load-time layout functions run.  A stand-in module is used only if the real
-one lacks a name.  On CPU the op computes the torch reference and never calls the route GEMMs.
+Their requirements (``dispatch/vendor.py``) rightly refuse a CPU or a missing toolkit; here they are replaced to
+accept, while the real load-time layout functions (``kernels/fp4_routes.py``) run.  On CPU the op computes the torch
+reference and never calls the route GEMMs.
 
 The FlashInfer W4A16 route has no CPU reference in its op (its weight is FlashInfer's layout): for it,
 :func:`install_flashinfer_w4a16` fakes FlashInfer itself, so our preparation and run functions execute for real.
@@ -10,51 +10,20 @@ The FlashInfer W4A16 route has no CPU reference in its op (its weight is FlashIn
 
 from __future__ import annotations
 
-import importlib
-import sys
 import types
 
 import torch
-import torch.nn.functional as F
 
-from vllm_nvfp4_sm120.format import linear_w4a16_ref, round_up, swizzle_128x4, unswizzle_128x4
+from vllm_nvfp4_sm120.dispatch import vendor
+from vllm_nvfp4_sm120.format import linear_w4a16_ref, unswizzle_128x4
 
-NAMES = ("cublas_refusal", "prepare_cublas_weight", "scaled_mm_nvfp4", "b12x_refusal", "prepare_b12x_weight",
-         "b12x_linear")
 REFUSALS = ("cublas_refusal", "b12x_refusal")
 
 
-def _prepare_b12x_weight(codes: torch.Tensor, scales: torch.Tensor):
-    n, k = codes.shape[0], codes.shape[1] * 2
-    np_, kp = round_up(n, 32), round_up(k, 32)
-    codes_p = F.pad(codes, (0, (kp - k) // 2, 0, np_ - n))
-    scales_p = F.pad(scales.view(torch.uint8), (0, (kp - k) // 16, 0, np_ - n)).view(torch.float8_e4m3fn)
-    return codes_p, swizzle_128x4(scales_p)
-
-
-def _not_on_cpu(*args, **kwargs):
-    raise NotImplementedError("fp4_routes stub: GPU route called")
-
-
-def install(mp) -> types.ModuleType:
-    """Make ``vllm_nvfp4_sm120.kernels.fp4_routes`` provide :data:`NAMES`, with refusals that accept."""
-    name = "vllm_nvfp4_sm120.kernels.fp4_routes"
-    try:
-        real = importlib.import_module(name)
-        if all(hasattr(real, n) for n in NAMES):
-            for refusal in REFUSALS:
-                mp.setattr(real, refusal, lambda capability, n, k, **kw: None)
-            return real
-    except ImportError:
-        pass
-    stub = types.ModuleType(name)
-    stub.cublas_refusal = stub.b12x_refusal = lambda capability, n, k, **kw: None
-    stub.prepare_b12x_weight = _prepare_b12x_weight
-    stub.prepare_cublas_weight = lambda codes, scales: (codes, swizzle_128x4(scales))
-    stub.scaled_mm_nvfp4 = stub.b12x_linear = _not_on_cpu
-    mp.setitem(sys.modules, name, stub)
-    mp.setattr(importlib.import_module("vllm_nvfp4_sm120.kernels"), "fp4_routes", stub, raising=False)
-    return stub
+def install(mp) -> None:
+    """The cuBLAS and b12x requirements accept every layer (until ``mp`` is undone)."""
+    for refusal in REFUSALS:
+        mp.setattr(vendor, refusal, lambda capability, n, k, **kw: None)
 
 
 # ---- FlashInfer W4A16 (prepare_bf16_fp4_weights / mm_bf16_fp4) on CPU ------------------------------------------
@@ -91,22 +60,20 @@ def _fake_mm_bf16_fp4(a, b, b_descale, alpha=None, *, backend, out_dtype=None, o
 
 
 def _fake_is_backend_supported(backend, cc):
-    from vllm_nvfp4_sm120.kernels.fp4_routes import W4A16_CCS
-
-    return cc in W4A16_CCS.get(backend, ())
+    return cc in vendor.W4A16_CCS.get(backend, ())
 
 
 _fake_mm_bf16_fp4.is_backend_supported = _fake_is_backend_supported
 
 
 def install_flashinfer_w4a16(mp) -> types.SimpleNamespace:
-    """Make ``fp4_routes`` see the fake FlashInfer W4A16 on CPU tensors: only FlashInfer and the GPU check are
-    replaced; the refusal, preparation and run functions of ``fp4_routes`` are the real ones."""
+    """Make ``fp4_routes`` see the fake FlashInfer W4A16 on CPU tensors: only FlashInfer and the CUDA-tensor check
+    are replaced; the requirement (``dispatch/vendor.py``), preparation and run functions are the real ones."""
     from vllm_nvfp4_sm120.kernels import fp4_routes
 
     fake = types.SimpleNamespace(__version__="fake", prepare_bf16_fp4_weights=_fake_prepare_bf16_fp4_weights,
                                  mm_bf16_fp4=_fake_mm_bf16_fp4)
     FI_W4A16_CALLS.clear()
-    mp.setattr(fp4_routes, "_flashinfer", lambda: fake)
-    mp.setattr(fp4_routes, "_require_gpu", lambda route, t, refuse: None)
+    mp.setattr(fp4_routes, "flashinfer", lambda: fake)
+    mp.setattr(fp4_routes, "require_cuda", lambda route, t: None)
     return fake

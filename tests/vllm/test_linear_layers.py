@@ -15,6 +15,7 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import 
 
 import fp4_routes_stub
 import nvfp4_layers as NL
+from vllm_nvfp4_sm120.dispatch.hw import SM120_REFERENCE
 from vllm_nvfp4_sm120.dispatch.linear import small_t_threshold
 from vllm_nvfp4_sm120.vllm import linear as ours
 from vllm_platform import fake_cuda, vllm_config
@@ -138,7 +139,7 @@ def test_small_t_and_w4a16_match_vllm_dequantized_weight(built, case):
     layer = layers[case]
     t = SMALL_T if case[1] == "w4a4" else PREFILL_T
     if case[1] == "w4a4":
-        assert t <= small_t_threshold(120, NL.kernel_of(layer).route)
+        assert t <= small_t_threshold(SM120_REFERENCE, NL.kernel_of(layer).route)
     x = torch.randn(t, layer.weight_scale.shape[1] * 16, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     bias = torch.randn(layer.weight_scale.shape[0], generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     got = NL.kernel_of(layer).apply_weights(layer, x, bias)

@@ -36,6 +36,8 @@ from vllm_platform import fake_cuda, vllm_config  # noqa: E402
 from vllm_nvfp4_sm120.dispatch.moe import W4A4_MIN_TOKENS_PER_EXPERT  # noqa: E402
 from vllm_nvfp4_sm120.format import GlobalScale, NvFp4, make_moe_bank, moe_ref, topk_route  # noqa: E402
 from vllm_nvfp4_sm120.vllm import moe as glue  # noqa: E402
+from vllm_nvfp4_sm120.vllm import register as plugin  # noqa: E402
+from vllm_nvfp4_sm120.vllm import scale_policy  # noqa: E402
 import vllm_nvfp4_sm120.vllm.log as glue_log_state  # noqa: E402
 
 E, H, I, TOP_K = 8, 128, 64, 2  # one TP shard: H and I multiples of 16 (and of the 128x4 swizzle's 4 scale columns)
@@ -45,12 +47,12 @@ SM120, SM90 = (12, 0), (9, 0)
 
 @pytest.fixture(scope="module", autouse=True)
 def moe_registered(tp_group):
-    was = glue.is_moe_registered()
-    glue.register_moe()
-    assert glue.is_moe_registered(), "register_moe() did nothing (VLLM_NVFP4_SM120=0 in the environment?)"
+    was = plugin.is_registered()
+    plugin.register()
+    assert plugin.is_registered(), "register() did nothing (VLLM_NVFP4_SM120=0 in the environment?)"
     yield
     if not was:
-        glue.unregister_moe()
+        plugin.unregister()
 
 
 @pytest.fixture
@@ -157,7 +159,7 @@ def test_auto_selects_ours_on_sm120_w4a4(fmt, glue_log):
         layer = build(fmt)
     qm = layer.quant_method
     assert qm.experts_cls is glue.Sm120NvFp4Experts
-    assert qm.nvfp4_backend is glue.BACKEND_SLOT
+    assert qm.nvfp4_backend is glue.Sm120NvFp4Experts.backend_slot
     assert not qm.use_global_sf  # input scales per local expert
     fmt_name = glue.MODELOPT if fmt == "modelopt" else glue.COMPRESSED_TENSORS
     info = [r.getMessage() for r in glue_log.records if r.levelno == logging.INFO]
@@ -225,15 +227,15 @@ def test_register_idempotent_and_undone():
     import vllm.model_executor.layers.quantization.modelopt as modelopt
 
     patched = modelopt.select_nvfp4_moe_backend
-    glue.register_moe()
+    plugin.register()
     assert modelopt.select_nvfp4_moe_backend is patched
-    glue.unregister_moe()
+    plugin.unregister()
     try:
         assert modelopt.select_nvfp4_moe_backend is oracle.select_nvfp4_moe_backend
         assert "process_weights_after_loading" in vars(modelopt.ModelOptNvFp4FusedMoE)
-        assert not glue.is_ours(object())
+        assert not glue.Sm120NvFp4Experts.serves(object())
     finally:
-        glue.register_moe()
+        plugin.register()
 
 
 # ---- process_weights_after_loading: layout and scales ---------------------------------------------------------------
@@ -267,10 +269,13 @@ def test_globals_and_static_scales(fmt, split_inputs, gen, glue_log):
     torch.testing.assert_close(layer.w13_weight_scale_2.data, ckpt.w13_dec[:, 0])
     torch.testing.assert_close(layer.w2_weight_scale_2.data, ckpt.w2_dec)
     # One static ENCODE scale per GEMM input: 1 / the largest calibrated decode (over experts and w1/w3).
-    torch.testing.assert_close(layer.w13_input_scale, (1.0 / ckpt.a13_dec.max()).reshape(1))
-    torch.testing.assert_close(layer.w2_input_scale, (1.0 / ckpt.a2_dec.max()).reshape(1))
+    a13_enc, a2_enc = getattr(layer, glue.A13_ENC), getattr(layer, glue.A2_ENC)
+    torch.testing.assert_close(a13_enc, (1.0 / ckpt.a13_dec.max()).reshape(1))
+    torch.testing.assert_close(a2_enc, (1.0 / ckpt.a2_dec.max()).reshape(1))
     ex = experts_of(layer)
-    assert ex.a1_gscale is layer.w13_input_scale and ex.a2_gscale is layer.w2_input_scale
+    assert ex.a1_gscale is a13_enc and ex.a2_gscale is a2_enc
+    if fmt == "modelopt":  # ModelOpt's decode-scale parameters keep what the checkpoint holds
+        torch.testing.assert_close(layer.w13_input_scale.data, ckpt.a13_dec, rtol=0, atol=0)
     assert ex.quant_dtype == "nvfp4"
     assert not [r for r in glue_log.records if r.levelno == logging.WARNING]
 
@@ -326,11 +331,11 @@ def test_static_scales_all_reduced_across_ep_ranks(gen, monkeypatch):
     monkeypatch.setattr(ps, "get_ep_group", lambda: type("G", (), {"device_group": None})())
     parallel = type("P", (), {"use_ep": True, "ep_size": 2})()
     dec = torch.tensor([[1.0, 3.0], [2.0, 2.0]])
-    enc = glue.static_input_enc(dec, "layer.w13_input_scale", parallel)
+    enc = scale_policy.static_input_enc(dec, "layer.w13_input_scale", parallel)
     assert calls == [torch.distributed.ReduceOp.MAX]
     torch.testing.assert_close(enc, torch.tensor([1.0 / 6.0]))
     single = type("P", (), {"use_ep": False, "ep_size": 1})()
-    torch.testing.assert_close(glue.static_input_enc(dec, "x", single), torch.tensor([1.0 / 3.0]))
+    torch.testing.assert_close(scale_policy.static_input_enc(dec, "x", single), torch.tensor([1.0 / 3.0]))
     assert len(calls) == 1
 
 
@@ -382,7 +387,8 @@ def test_apply_matches_vllm_emulation(fmt, gen):
     torch.testing.assert_close(out.float(), expected.float(), rtol=1e-1, atol=1e-1 * scale)
     assert float((out.float() - expected.float()).norm() / expected.float().norm()) < 0.05
     # And exactly the W4A4 reference with the layer's scales (what the op runs on CPU).
-    gs = dict(a13_gs=GlobalScale.from_encode(ours.w13_input_scale), a2_gs=GlobalScale.from_encode(ours.w2_input_scale))
+    gs = dict(a13_gs=GlobalScale.from_encode(getattr(ours, glue.A13_ENC)),
+              a2_gs=GlobalScale.from_encode(getattr(ours, glue.A2_ENC)))
     ref = moe_ref(x, ckpt.w13, ckpt.w13_dec[:, 0], ckpt.w2, ckpt.w2_dec, tw, ti, **gs)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
@@ -410,8 +416,8 @@ def test_apply_with_expert_map_and_router_weight_on_input(gen):
     out = torch.empty_like(x)
     experts_of(layer).apply(out, x, layer.w13_weight, layer.w2_weight, tw, ti, MoEActivation.SILU, 2 * E,
                             expert_map, None, None, None, None, None, False)
-    gs = dict(a13_gs=GlobalScale.from_encode(layer.w13_input_scale),
-              a2_gs=GlobalScale.from_encode(layer.w2_input_scale))
+    gs = dict(a13_gs=GlobalScale.from_encode(getattr(layer, glue.A13_ENC)),
+              a2_gs=GlobalScale.from_encode(getattr(layer, glue.A2_ENC)))
     ref = moe_ref(x, ckpt.w13, ckpt.w13_dec[:, 0], ckpt.w2, ckpt.w2_dec, tw, ti, expert_map=expert_map, **gs)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     # apply_router_weight_on_input: prepare() already scaled x, the experts route with weight 1.
@@ -514,8 +520,8 @@ def test_cuda_graph_capture_replay(act, gen):
         eager = out.clone()
         kw = {}
         if act == "w4a4" and t * TOP_K / E >= W4A4_MIN_TOKENS_PER_EXPERT:
-            kw = dict(a13_gs=GlobalScale.from_encode(layer.w13_input_scale.cpu()),
-                      a2_gs=GlobalScale.from_encode(layer.w2_input_scale.cpu()))
+            kw = dict(a13_gs=GlobalScale.from_encode(getattr(layer, glue.A13_ENC).cpu()),
+                      a2_gs=GlobalScale.from_encode(getattr(layer, glue.A2_ENC).cpu()))
         ref = moe_ref(x.cpu(), ckpt.w13, ckpt.w13_dec[:, 0], ckpt.w2, ckpt.w2_dec, tw.cpu(), ti.cpu(), **kw)
         atol = 2.0**-10 * float(ref.float().abs().max())  # fp32 summation order (tests/dispatch/test_moe_flow.py)
         torch.testing.assert_close(eager.cpu(), ref, atol=atol, rtol=2.0**-9)

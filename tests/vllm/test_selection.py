@@ -88,17 +88,24 @@ def test_each_name_selects_its_class(fake_platform, all_routes_available, name, 
     assert type(kernel_for("ct", "w4a4", linear_backend_per_quant={"nvfp4_w4a4": name})) is cls
 
 
-def test_unavailable_route_falls_back_and_says_why(fake_platform, plugin_log, monkeypatch):
-    """Without kernels/fp4_routes.py the cuBLAS name cannot take the layer: vLLM's automatic selection decides."""
-    import sys
+def test_refused_vendor_route_falls_back_and_says_why(fake_platform, plugin_log, monkeypatch):
+    """A route whose requirement refuses the layer at load time: vLLM's automatic selection serves it (our first
+    class on sm_120), with one line naming the route and the reason."""
+    import torch
 
-    monkeypatch.setitem(sys.modules, "vllm_nvfp4_sm120.kernels.fp4_routes", None)  # import fails
+    from vllm_nvfp4_sm120.dispatch import vendor
+
+    monkeypatch.setattr(vendor, "cublas_refusal", lambda capability, n, k, **kw: "no cuBLAS FP4 in this test")
     monkeypatch.setattr(glue_log_state, "_logged", set())
     fake_platform((12, 0))
-    kernel = kernel_for("modelopt", "w4a4", linear_backend="nvfp4_sm120_cublas")
-    assert type(kernel) is ours.TritonNvFp4LinearKernel  # auto on sm_120: our first class
+    with set_current_vllm_config(vllm_config(linear_backend="nvfp4_sm120_cublas")):
+        layer = NL.build_layer(NL.quant_config("modelopt", "w4a4"), "qkv")
+        NL.load_checkpoint(layer, "modelopt", NL.problem_for(layer, torch.Generator().manual_seed(0)))
+        layer.quant_method.process_weights_after_loading(layer)
+    kernel = NL.kernel_of(layer)
+    assert type(kernel) is ours.CublasNvFp4LinearKernel and type(kernel._fallback) is ours.TritonNvFp4LinearKernel
     [msg] = [r.getMessage() for r in plugin_log.records if "cannot take" in r.getMessage()]
-    assert "nvfp4_sm120_cublas" in msg and "fp4_routes" in msg
+    assert "route cublas" in msg and "no cuBLAS FP4 in this test" in msg
 
 
 def test_w4a4_route_named_on_w4a16_checkpoint_falls_back(fake_platform, plugin_log, monkeypatch):

@@ -1,19 +1,21 @@
-"""Which MoE kernels, tiles and switches run: ``(GPU capability, tokens per expert, shapes) → MoePlan``.
+"""Which MoE kernels, tiles and switches run: ``(GPU, tokens per expert, shapes) → MoePlan``.
 
-Everything the kernels leave open is decided here; ``dispatch/moe_flow.py`` only executes a plan.
+Everything the kernels leave open is decided here; ``dispatch/moe_flow.py`` only executes a plan, with the
+launchers ``dispatch.registry.MOE_KERNELS`` names for its ``(kernel, impl)``.
 
-* **Kernel**: W4A4 (FP4 x FP4, activations quantized with the checkpoint's static input scales) from
-  ``W4A4_MIN_TOKENS_PER_EXPERT`` tokens per expert when the layer has those scales; below that, and for W4A16
-  checkpoints, W4A16 (bf16/fp16 activations, weights decoded in registers): at a few rows per expert the layer
-  is bound by reading the weights, and W4A16 reads the same bytes without quantizing anything.
+* **Kernel** (:class:`MoeKernel`): W4A4 (FP4 x FP4, activations quantized with the checkpoint's static input
+  scales) from ``W4A4_MIN_TOKENS_PER_EXPERT`` tokens per expert when the layer has those scales; below that, and
+  for W4A16 checkpoints, W4A16 (bf16/fp16 activations, weights decoded in registers): at a few rows per expert
+  the layer is bound by reading the weights, and W4A16 reads the same bytes without quantizing anything.
 * **Tokens per expert** ``m = T * top_k / global_E`` is the *average*, known from shapes alone (no host sync
   under CUDA graphs).  Skewed routing still runs correctly, only on a tile chosen for the average.
 * **Tiers** by ``m``: BLOCK_M 16 (decode-sized, weights streamed), 32, 64, 128.  Both GEMMs of a layer share
   BLOCK_M (one alignment); BLOCK_N, BLOCK_K, warps and stages are per GEMM.
 * **Switches**: ``fast_decode`` (inline-PTX e2m1 decode, any CUDA GPU), ``use_tma`` (TMA weight loads on sm_90
-  and sm_120 when that GEMM's K % 256 == 0), ``decode`` (W4A4 without the native FP4 MMA: GPUs before sm_90
-  and the interpreter; sm_90 runs ``dot_scaled`` through Triton's exact emulation), ``stream_weights``.
-* **Backend**: on sm_120 the BLOCK_M 64 / 128 tiers run the warp-specialized Gluon GEMMs
+  and sm_120 when that GEMM's K % 256 == 0, in the kernels that have a TMA path: the Triton W4A16 GEMMs and both
+  Gluon ones), ``decode`` (W4A4 without the native FP4 MMA: GPUs before sm_90 and the interpreter; sm_90 runs
+  ``dot_scaled`` through Triton's exact emulation), ``stream_weights``.
+* **Implementation** (:class:`Impl`): on sm_120 the BLOCK_M 64 / 128 tiers run the warp-specialized Gluon GEMMs
   (``kernels/gluon_moe_w4a16.py``, ``kernels/gluon_moe_w4a4.py``; BLOCK_M 64 persistent, and there the W4A4 down
   GEMM below I = 1024 with separate epilogue warps) unless ``VLLM_NVFP4_SM120_DISABLE_GLUON=1``; everything else
   is Triton.
@@ -25,8 +27,25 @@ over :func:`all_moe_plans`.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from enum import StrEnum
 
 from ..kernels.gluon_compat import gluon_enabled
+from .hw import Capability, Family
+
+
+class MoeKernel(StrEnum):
+    """What the experts compute with: 16-bit activations, or activations quantized with the static input scales."""
+
+    W4A16 = "w4a16"
+    W4A4 = "w4a4"
+
+
+class Impl(StrEnum):
+    """Which implementation of the kernel runs."""
+
+    TRITON = "triton"  # kernels/moe_w4a16.py, kernels/moe_w4a4.py
+    GLUON = "gluon"  # kernels/gluon_moe_w4a16.py, kernels/gluon_moe_w4a4.py (warp-specialized)
+
 
 W4A4_MIN_TOKENS_PER_EXPERT = 4
 # A TMA box of packed codes is K/2 bytes wide; the dispatch uses it when K % 256 == 0 (whole 128-wide K tiles,
@@ -41,16 +60,16 @@ class GemmTile:
     num_warps: int
     num_stages: int
     group_m: int = 8
-    use_tma: bool = False  # W4A16 only
+    use_tma: bool = False  # the kernels with a TMA path (not the Triton W4A4 GEMMs)
     persistent: bool = False  # Gluon only
     epilogue_warps: int = 0  # Gluon W4A4 down GEMM only (persistent)
 
-    def kwargs(self, kernel: str, backend: str) -> dict:
+    def kwargs(self, kernel: MoeKernel, impl: Impl) -> dict:
         kw = dict(block_n=self.block_n, block_k=self.block_k, num_warps=self.num_warps,
                   num_stages=self.num_stages, group_m=self.group_m)
-        if kernel == "w4a16":
+        if kernel is MoeKernel.W4A16 or impl is Impl.GLUON:
             kw["use_tma"] = self.use_tma
-        if backend == "gluon":
+        if impl is Impl.GLUON:
             kw["persistent"] = self.persistent
             if self.epilogue_warps:
                 kw["epilogue_warps"] = self.epilogue_warps
@@ -59,15 +78,18 @@ class GemmTile:
 
 @dataclass(frozen=True)
 class MoePlan:
-    kernel: str  # "w4a16" | "w4a4"
+    kernel: MoeKernel
     block_m: int
     gate_up: GemmTile
     down: GemmTile
     fast_decode: bool = False  # W4A16: inline-PTX e2m1 decode
     decode: bool = False  # W4A4: exact self-decode + fp16 MMA instead of dot_scaled
     stream_weights: bool = False  # W4A16: weights evict-first
-    backend: str = "triton"
+    impl: Impl = Impl.TRITON
     tier: str = ""
+    # Whether each GEMM's weight codes (gate_up, down) can be read by TMA on this GPU and shape; the kernels with a
+    # TMA path take it in their tile's use_tma (the Triton W4A4 GEMMs have none).
+    tma: tuple[bool, bool] = (False, False)
 
     def gate_up_kwargs(self) -> dict:
         return self._kwargs(self.gate_up)
@@ -76,10 +98,10 @@ class MoePlan:
         return self._kwargs(self.down)
 
     def _kwargs(self, tile: GemmTile) -> dict:
-        kw = tile.kwargs(self.kernel, self.backend)
-        if self.kernel == "w4a16":
+        kw = tile.kwargs(MoeKernel(self.kernel), Impl(self.impl))
+        if self.kernel == MoeKernel.W4A16:
             kw.update(fast_decode=self.fast_decode, stream_weights=self.stream_weights)
-        elif self.backend == "gluon":
+        elif self.impl == Impl.GLUON:
             # None: the block-scaled MMA on sm_120, its exact emulation elsewhere (the H200 benchmarks).
             kw.update(decode=None)
         else:
@@ -91,40 +113,40 @@ class MoePlan:
 # columns (two accumulators), so their BLOCK_N is half the down GEMM's for the same registers.
 _W4A16_TIERS = {
     # sm_120: 99 KB of shared memory per block.
-    "sm120": (
+    Family.SM120: (
         (16, 16, GemmTile(64, 256, 4, 3), GemmTile(64, 256, 4, 3)),
         (48, 32, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 3)),
         (96, 64, GemmTile(64, 64, 8, 3), GemmTile(128, 64, 4, 3)),  # BLOCK_K 128 spills with two accumulators
         (None, 128, GemmTile(64, 64, 8, 3), GemmTile(128, 64, 8, 3)),
     ),
     # sm_90 / sm_100: 227 KB of shared memory, deeper pipelines.
-    "sm90": (
+    Family.SM90: (
         (16, 16, GemmTile(64, 256, 4, 4), GemmTile(64, 256, 4, 4)),
         (48, 32, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4)),
         (96, 64, GemmTile(64, 128, 4, 4), GemmTile(128, 64, 4, 4)),
         (None, 128, GemmTile(64, 64, 8, 4), GemmTile(128, 64, 8, 4)),
     ),
     # Before sm_90 (and the interpreter): pointer loads only.
-    "other": (
+    Family.OTHER: (
         (16, 16, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 3)),
         (48, 32, GemmTile(64, 64, 4, 3), GemmTile(64, 64, 4, 3)),
         (None, 64, GemmTile(64, 64, 4, 3), GemmTile(64, 64, 4, 3)),
     ),
 }
 _W4A4_TIERS = {
-    "sm120": (
+    Family.SM120: (
         (16, 16, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 3)),
         (48, 32, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 3)),
         (96, 64, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3)),
         (None, 128, GemmTile(64, 128, 8, 2), GemmTile(128, 128, 8, 2)),
     ),
-    "sm90": (
+    Family.SM90: (
         (16, 16, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 3)),
         (48, 32, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 3)),
         (96, 64, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3)),
         (None, 128, GemmTile(64, 128, 8, 3), GemmTile(128, 128, 8, 3)),
     ),
-    "other": (
+    Family.OTHER: (
         (48, 16, GemmTile(64, 64, 4, 2), GemmTile(64, 64, 4, 2)),
         (None, 64, GemmTile(64, 64, 4, 2), GemmTile(64, 64, 4, 2)),
     ),
@@ -136,12 +158,12 @@ _W4A4_TIERS = {
 # sm_120 in tests/kernels/test_gluon_moe*.py, which assert that these are the compiled ones.
 _GLUON_SM120 = {
     # W4A16: BLOCK_K 64 (its only compiled value); 1 TMA loader + 4 decode + 4 / 8 MMA warps.
-    "w4a16": {
+    MoeKernel.W4A16: {
         64: (GemmTile(64, 64, 4, 3, persistent=True), GemmTile(128, 64, 4, 3, persistent=True)),
         128: (GemmTile(64, 64, 8, 2), GemmTile(128, 64, 8, 2)),
     },
     # W4A4: BLOCK_K 128 (two 64-wide block-scaled MMA steps per slot); 1 loader + 4 / 8 MMA warps.
-    "w4a4": {
+    MoeKernel.W4A4: {
         64: (GemmTile(64, 128, 4, 3, persistent=True), GemmTile(64, 128, 4, 3, persistent=True)),
         128: (GemmTile(64, 128, 8, 3), GemmTile(64, 128, 8, 3)),
     },
@@ -154,11 +176,12 @@ GLUON_DOWN_EPILOGUE_MAX_I = 1024
 GLUON_EPILOGUE_WARPS = 4
 
 
-def arch_family(capability: tuple[int, int] | None) -> str:
-    """``None`` (CPU / interpreter) and GPUs before sm_90 → ``"other"``; sm_12x → ``"sm120"``; sm_90/10x → ``"sm90"``."""
-    if capability is None or capability[0] < 9:
-        return "other"
-    return "sm120" if capability[0] == 12 else "sm90"
+def tier_family(cap: Capability) -> Family:
+    """Which tier tables serve ``cap``: sm_12x its own (99 KB of shared memory), sm_90 and newer the sm_90 ones
+    (TMA, 227 KB), older GPUs and the interpreter the pointer-load ones (:data:`Family.OTHER`)."""
+    if cap.family is Family.SM120:
+        return Family.SM120
+    return Family.SM90 if cap.major is not None and cap.major >= 9 else Family.OTHER
 
 
 def _tier(table, m: float):
@@ -173,7 +196,7 @@ def tokens_per_expert(num_tokens: int, top_k: int, global_experts: int) -> float
 
 
 def select_moe_plan(
-    capability: tuple[int, int] | None,
+    cap: Capability,
     *,
     num_tokens: int,
     top_k: int,
@@ -183,23 +206,34 @@ def select_moe_plan(
     w4a4: bool,
 ) -> MoePlan:
     """The plan for one MoE layer call.  ``w4a4``: the layer has static activation scales (W4A4 checkpoint)."""
-    fam = arch_family(capability)
-    gpu = capability is not None
+    fam = tier_family(cap)
     m = tokens_per_expert(num_tokens, top_k, global_experts)
-    kernel = "w4a4" if w4a4 and m >= W4A4_MIN_TOKENS_PER_EXPERT else "w4a16"
-    table = (_W4A4_TIERS if kernel == "w4a4" else _W4A16_TIERS)[fam]
-    i, block_m, gate_up, down = _tier(table, m)
-    if kernel == "w4a16" and fam != "other":
-        gate_up = replace(gate_up, use_tma=hidden % TMA_K_MULTIPLE == 0)
-        down = replace(down, use_tma=intermediate % TMA_K_MULTIPLE == 0)
-    plan = MoePlan(
-        kernel=kernel, block_m=block_m, gate_up=gate_up, down=down,
-        fast_decode=gpu, decode=fam == "other", stream_weights=kernel == "w4a16" and block_m == 16,
-        tier=f"{fam}/{kernel}/{i}",
-    )
-    if fam == "sm120" and gluon_enabled():
+    kernel = MoeKernel.W4A4 if w4a4 and m >= W4A4_MIN_TOKENS_PER_EXPERT else MoeKernel.W4A16
+    tma = _tma(fam, hidden), _tma(fam, intermediate)
+    plan = _plan(cap, fam, kernel, _tier(_tiers(kernel, fam), m), tma)
+    if fam is Family.SM120 and gluon_enabled():
         return as_gluon(plan, intermediate) or plan
     return plan
+
+
+def _tma(fam: Family, k: int) -> bool:
+    return fam is not Family.OTHER and k % TMA_K_MULTIPLE == 0
+
+
+def _tiers(kernel: MoeKernel, fam: Family):
+    return (_W4A4_TIERS if kernel is MoeKernel.W4A4 else _W4A16_TIERS)[fam]
+
+
+def _plan(cap: Capability, fam: Family, kernel: MoeKernel, tier, tma: tuple[bool, bool]) -> MoePlan:
+    """The Triton plan of one tier row; the Triton W4A16 GEMMs read the weight codes by TMA where ``tma`` says so."""
+    i, block_m, gate_up, down = tier
+    if kernel is MoeKernel.W4A16:
+        gate_up, down = replace(gate_up, use_tma=tma[0]), replace(down, use_tma=tma[1])
+    return MoePlan(
+        kernel=kernel, block_m=block_m, gate_up=gate_up, down=down,
+        fast_decode=cap.cc is not None, decode=fam is Family.OTHER,
+        stream_weights=kernel is MoeKernel.W4A16 and block_m == 16, tier=f"{fam}/{kernel}/{i}", tma=tma,
+    )
 
 
 def as_gluon(plan: MoePlan, intermediate: int) -> MoePlan | None:
@@ -209,33 +243,26 @@ def as_gluon(plan: MoePlan, intermediate: int) -> MoePlan | None:
     if plan.block_m not in tiles:
         return None
     gate_up, down = tiles[plan.block_m]
-    if plan.kernel == "w4a4" and down.persistent and intermediate < GLUON_DOWN_EPILOGUE_MAX_I:
+    if plan.kernel == MoeKernel.W4A4 and down.persistent and intermediate < GLUON_DOWN_EPILOGUE_MAX_I:
         down = replace(down, epilogue_warps=GLUON_EPILOGUE_WARPS)
     return replace(
-        plan, gate_up=replace(gate_up, use_tma=plan.gate_up.use_tma), down=replace(down, use_tma=plan.down.use_tma),
-        backend="gluon", tier=plan.tier + "/gluon",
+        plan, gate_up=replace(gate_up, use_tma=plan.tma[0]), down=replace(down, use_tma=plan.tma[1]),
+        impl=Impl.GLUON, tier=plan.tier + "/gluon",
     )
 
 
-def all_moe_plans(capability: tuple[int, int] | None) -> list[MoePlan]:
+def all_moe_plans(cap: Capability) -> list[MoePlan]:
     """Every plan :func:`select_moe_plan` can return for this GPU (for the compile checks and tests)."""
-    fam = arch_family(capability)
-    gpu = capability is not None
+    fam = tier_family(cap)
     plans = []
-    for kernel, tables in (("w4a16", _W4A16_TIERS), ("w4a4", _W4A4_TIERS)):
-        for i, (_, block_m, gate_up, down) in enumerate(tables[fam]):
-            tma_choices = [(False, False)]
-            if kernel == "w4a16" and fam != "other":
-                tma_choices = [(a, b) for a in (False, True) for b in (False, True)]
-            for tma_gu, tma_dn in tma_choices:
-                plan = MoePlan(
-                    kernel=kernel, block_m=block_m,
-                    gate_up=replace(gate_up, use_tma=tma_gu), down=replace(down, use_tma=tma_dn),
-                    fast_decode=gpu, decode=fam == "other",
-                    stream_weights=kernel == "w4a16" and block_m == 16, tier=f"{fam}/{kernel}/{i}",
-                )
-                plans.append(plan)
-                if fam == "sm120":  # both sides of the epilogue-warps rule
+    tma_choices = [(a, b) for a in (False, True) for b in (False, True)] if fam is not Family.OTHER else [(False,) * 2]
+    for kernel in MoeKernel:
+        for i, tier in enumerate(_tiers(kernel, fam)):
+            for tma in tma_choices:
+                plan = _plan(cap, fam, kernel, (i, *tier[1:]), tma)
+                if plan not in plans:
+                    plans.append(plan)
+                if fam is Family.SM120:  # both sides of the epilogue-warps rule
                     for inter in (GLUON_DOWN_EPILOGUE_MAX_I // 2, GLUON_DOWN_EPILOGUE_MAX_I):
                         gluon = as_gluon(plan, inter)
                         if gluon is not None and gluon not in plans:

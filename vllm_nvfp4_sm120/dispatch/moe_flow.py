@@ -15,18 +15,20 @@ import torch
 from ..format import GlobalScale, NvFp4, moe_ref
 from ..format.checks import ACT_DTYPES, check_tensor
 from ..format.reference import ACTIVATIONS
-from .moe import MoePlan, select_moe_plan
-
-
-def _capability(device: torch.device) -> tuple[int, int] | None:
-    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+from ..kernels.common import interpreting
+from ..kernels.moe_align import moe_align, moe_sum
+from ..kernels.moe_w4a4 import moe_quant_input
+from .hw import capability_of
+from .linear import act_quant_config
+from .moe import MoeKernel, MoePlan, select_moe_plan
+from .registry import MOE_KERNELS
 
 
 def plan_for(x, w13_codes, w2_codes, topk_ids, *, w4a4: bool, expert_map=None) -> MoePlan:
     """The dispatch's plan for this call (what :func:`nvfp4_moe` runs)."""
     global_e = expert_map.shape[0] if expert_map is not None else w13_codes.shape[0]
     return select_moe_plan(
-        _capability(x.device), num_tokens=x.shape[0], top_k=topk_ids.shape[1], global_experts=global_e,
+        capability_of(x.device), num_tokens=x.shape[0], top_k=topk_ids.shape[1], global_experts=global_e,
         hidden=x.shape[1], intermediate=w2_codes.shape[2] * 2, w4a4=w4a4,
     )
 
@@ -62,10 +64,10 @@ def nvfp4_moe(
     explicit_plan = plan is not None
     if plan is None:
         plan = plan_for(x, w13_codes, w2_codes, topk_ids, w4a4=a13_enc is not None, expert_map=expert_map)
-    if plan.kernel == "w4a4" and a13_enc is None:
+    if plan.kernel == MoeKernel.W4A4 and a13_enc is None:
         raise ValueError("plan: a W4A4 plan needs the activation scales a13_enc and a2_enc")
 
-    if x.device.type != "cuda" and not (explicit_plan and _interpreting()):
+    if x.device.type != "cuda" and not (explicit_plan and interpreting()):
         # CPU: the torch reference in the plan's form.  (Tests that pass a plan run the kernels in the interpreter.)
         return out.copy_(_reference(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights,
                                      topk_ids, a13_enc, a2_enc, expert_map, activation, plan))
@@ -73,15 +75,9 @@ def nvfp4_moe(
                         a13_enc, a2_enc, expert_map, activation, deterministic, out, plan)
 
 
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _reference(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
                a13_enc, a2_enc, expert_map, activation, plan: MoePlan):
-    w4a4 = plan.kernel == "w4a4"
+    w4a4 = plan.kernel == MoeKernel.W4A4
     return moe_ref(
         x, NvFp4(w13_codes, w13_scales), w13_dec, NvFp4(w2_codes, w2_scales), w2_dec, topk_weights, topk_ids,
         activation=activation, expert_map=expert_map,
@@ -90,30 +86,8 @@ def _reference(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, t
     )
 
 
-def _kernels(plan: MoePlan):
-    """The plan's (gate_up, down) launchers; the Gluon ones take the Triton ones' arguments."""
-    if plan.backend == "gluon" and plan.kernel == "w4a16":
-        from ..kernels.gluon_moe_w4a16 import gluon_moe_w4a16_down, gluon_moe_w4a16_gate_up
-
-        return gluon_moe_w4a16_gate_up, gluon_moe_w4a16_down
-    if plan.backend == "gluon":
-        from ..kernels.gluon_moe_w4a4 import gluon_moe_w4a4_down, gluon_moe_w4a4_gate_up
-
-        return gluon_moe_w4a4_gate_up, gluon_moe_w4a4_down
-    if plan.kernel == "w4a16":
-        from ..kernels.moe_w4a16 import moe_w4a16_down, moe_w4a16_gate_up
-
-        return moe_w4a16_gate_up, moe_w4a16_down
-    from ..kernels.moe_w4a4 import moe_w4a4_down, moe_w4a4_gate_up
-
-    return moe_w4a4_gate_up, moe_w4a4_down
-
-
 def _run_kernels(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
                  a13_enc, a2_enc, expert_map, activation, deterministic, out, plan: MoePlan):
-    from ..kernels.moe_align import moe_align, moe_sum
-    from ..kernels.moe_w4a4 import moe_quant_input
-
     t, h = x.shape
     top_k = topk_ids.shape[1]
     if t == 0:
@@ -124,8 +98,8 @@ def _run_kernels(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec,
     # 1. Align routes to experts: sorted route ids padded per expert to BLOCK_M rows.
     align = moe_align(topk_ids, w13_codes.shape[0], plan.block_m, expert_map=expert_map)
 
-    gate_up, down = _kernels(plan)
-    if plan.kernel == "w4a16":
+    gate_up, down = MOE_KERNELS[plan.kernel, plan.impl]
+    if plan.kernel == MoeKernel.W4A16:
         # 2-3. gate_up GEMM with the gated activation in its epilogue → intermediate [T * top_k, I].
         inter = gate_up(x, w13_codes, w13_scales, w13_dec, align, activation=activation, **plan.gate_up_kwargs())
         # 4. down GEMM, routing weight in its epilogue, summed over the top-k routes.
@@ -133,12 +107,12 @@ def _run_kernels(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec,
              **plan.down_kwargs())
     else:
         # 2-3. Quantize the input, then gate_up GEMM with activation + NVFP4 quantization in its epilogue.
-        a_codes, a_scales = moe_quant_input(x, a13_enc)
+        a_codes, a_scales = moe_quant_input(x, a13_enc, **act_quant_config(t, h))
         i_codes, i_scales = gate_up(a_codes, a_scales, w13_codes, w13_scales, w13_dec, a13_enc, a2_enc,
-                                             align, activation=activation, **plan.gate_up_kwargs())
+                                    align, activation=activation, **plan.gate_up_kwargs())
         # 4. down GEMM on the FP4 intermediate, routing weight in its epilogue, summed over the top-k routes.
         down(i_codes, i_scales, w2_codes, w2_scales, w2_dec, a2_enc, topk_weights, align, acc,
-                      deterministic=deterministic, **plan.down_kwargs())
+             deterministic=deterministic, **plan.down_kwargs())
 
     # 5. fp32 sum → x.dtype (slot order in deterministic mode).
     return moe_sum(acc, top_k if deterministic else 1, out)

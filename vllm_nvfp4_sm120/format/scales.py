@@ -116,4 +116,5 @@ def per_row_decode(weight_dec: torch.Tensor | float, logical_widths: Sequence[in
         return torch.repeat_interleave(dec, torch.tensor(widths, device=dec.device))
     if dec.numel() == n:
         return dec.contiguous()
-    raise ValueError(f"weight_dec: expected 1, {len(widths)} (one per part) or {n} (one per row) globals, got {dec.numel()}")
+    raise ValueError(f"weight_dec: expected 1, {len(widths)} (one per part) or {n} (one per row) globals, "
+                     f"got {dec.numel()}")

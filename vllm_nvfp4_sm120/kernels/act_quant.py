@@ -182,38 +182,23 @@ def has_native_e2m1(device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 12
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def act_quant_config(t: int, k: int, swizzled: bool = False) -> dict:
-    """Default tile for ``[t, k]``: ``block_t``, ``block_k``, ``num_warps``.
-
-    Large T: 8 x 1024 elements (16 KB of bf16) per program, 4 warps → 64 elements (eight 16-byte loads) in flight
-    per thread.  Small T: 256-wide K-chunks, so T = 1 with K = 5120 still gives 20 programs.  With the swizzled
-    layout the grid also covers the padding rows up to 128 (they only write zero scales), hence block_t 8 there.
-    """
-    big = t >= 64
-    block_k = max(16, min(_next_pow2(k), 1024 if big else 256))
-    block_t = 8 if (big or swizzled) else 1
-    num_warps = max(1, min(4, block_t * block_k // 256))  # 8 elements (16 bytes) per thread and row-chunk
-    return {"block_t": block_t, "block_k": block_k, "num_warps": num_warps}
-
-
 def quantize_act_nvfp4(
     x,
     in_enc,
     *,
+    block_t: int,
+    block_k: int,
+    num_warps: int,
     swizzled: bool = False,
     out_codes=None,
     out_scales=None,
     native_e4m3: bool | None = None,
     native_e2m1: bool | None = None,
-    block_t: int | None = None,
-    block_k: int | None = None,
-    num_warps: int | None = None,
 ):
     """Quantize activations ``x [T, K]`` (bf16/fp16, rows may be strided, T may be 0) with the encode global.
+
+    ``block_t x block_k`` elements per program (powers of two, ``block_k >= 16``), the tile the dispatch picks
+    for the shape (``dispatch.linear.act_quant_config``).
 
     Returns ``(codes [T, K/2] uint8, scales)``; scales are float8_e4m3fn ``[T, K/16]`` or, with ``swizzled``,
     the 128x4 layout ``[round_up(T,128), round_up(K/16,4)]`` (contiguous, zero padding written here).
@@ -251,25 +236,22 @@ def quantize_act_nvfp4(
     if swizzled and not out_scales.is_contiguous():
         raise ValueError(f"out_scales: the 128x4-swizzled buffer must be contiguous, got strides {out_scales.stride()}")
 
+    if block_k % 16 or block_k & (block_k - 1) or block_t < 1 or block_t & (block_t - 1):
+        raise ValueError(
+            f"quantize_act_nvfp4: block_k ({block_k}) must be a power of two >= 16, block_t ({block_t}) a power of two"
+        )
     if sf_rows == 0:
         return out_codes, out_scales
-    cfg = act_quant_config(t, k, swizzled)
-    bt = block_t or cfg["block_t"]
-    bk = block_k or cfg["block_k"]
-    if bk % 16 or bk & (bk - 1) or bt & (bt - 1):
-        raise ValueError(
-            f"quantize_act_nvfp4: block_k ({bk}) must be a power of two >= 16, block_t ({bt}) a power of two"
-        )
     if native_e4m3 is None:
         native_e4m3 = x.device.type == "cuda"  # the interpreter's fp8 cast is not RNE
     if native_e2m1 is None:
         native_e2m1 = has_native_e2m1(x.device)
-    grid = (triton.cdiv(sf_rows, bt), triton.cdiv(sf_cols * 16, bk))
+    grid = (triton.cdiv(sf_rows, block_t), triton.cdiv(sf_cols * 16, block_k))
     _act_quant_kernel[grid](
         x, in_enc, out_codes, out_scales.view(torch.uint8),
         t, k, x.stride(0), out_codes.stride(0), out_scales.stride(0),
         sf_rows, sf_cols,
-        SWIZZLED=swizzled, NATIVE_E4M3=native_e4m3, NATIVE_E2M1=native_e2m1, BLOCK_T=bt, BLOCK_K=bk,
-        num_warps=num_warps or cfg["num_warps"],
+        SWIZZLED=swizzled, NATIVE_E4M3=native_e4m3, NATIVE_E2M1=native_e2m1, BLOCK_T=block_t, BLOCK_K=block_k,
+        num_warps=num_warps,
     )
     return out_codes, out_scales

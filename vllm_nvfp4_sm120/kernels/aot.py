@@ -25,8 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# The CUDA programming guide's per-block shared-memory limit for compute capability 12.x (99 KB).
-SM120_MAX_SMEM_BYTES = 99 * 1024
+from .common import SM120_MAX_SMEM_BYTES
 
 # Instruction patterns the kernel tests assert on.
 SASS_OMMA_NVFP4 = r"OMMA\.SF\.16864\.F32\.E2M1\.E2M1\.UE4M3\.4X"

@@ -1,16 +1,17 @@
 """Vendor NVFP4 GEMM routes for sm_120: cuBLAS (``torch._scaled_mm``), FlashInfer ``b12x`` and FlashInfer W4A16.
 
 None of these can run on the CPU or on the H200 (sm_90): cuBLAS block-scaled FP4 needs sm_100/sm_120, b12x and
-``cute-dsl-native`` are sm_120/121 kernels.  Each route therefore has
+``cute-dsl-native`` are sm_120/121 kernels.  Which GPU, toolkit and shape a route can serve is the dispatch's
+question (``dispatch/vendor.py``, one requirement function per backend, asked at load time and before each run).
+Each route here has
 
-* a **load-time refusal** ``<route>_refusal(capability, n, k, ...) -> str | None`` (None: usable; ``capability``
-  is ``(major, minor)`` or a device), so dispatch can pick another route with a reason instead of failing at the
-  first forward;
 * a **load-time preparation** of the checkpoint weight (the codes stay the checkpoint's own tensor unless the
   route must pad them; only the *scales* get a swizzled copy), testable on the CPU;
-* a **run** function that checks its arguments and raises :class:`Fp4RouteUnavailable` on a GPU it cannot use.
+* a **run** function that checks its arguments and raises :class:`Fp4RouteUnavailable` for tensors that are not
+  on a CUDA device.
 
-Only our activation quantizer is a Triton kernel here.  FlashInfer is imported lazily (it is optional).
+Only our activation quantizer is a Triton kernel here (its tile comes from the dispatch).  FlashInfer is imported
+lazily (it is optional).
 Global scales: ``in_enc`` is the input ENCODE global (vLLM ``input_global_scale_inv``), ``alpha`` the product of
 the input and weight DECODE globals (vLLM ``layer.alpha``); both are device fp32 tensors with one element.
 """
@@ -26,17 +27,9 @@ from ..format.checks import ACT_DTYPES, as_e4m3, check_tensor
 from ..format.swizzle import round_up, swizzle_128x4, swizzled_shape
 from .act_quant import quantize_act_nvfp4
 
-Capability = tuple[int, int]
-
 # What vLLM pads every FlashInfer NVFP4 GEMM weight to (pad_nvfp4_weight_for_cutlass): N and K multiples of 32.
 B12X_ALIGN = 32
-B12X_MIN_CUDA = "12.9"  # flashinfer.gemm.gemm_base._MIN_B12X_CUDA_VERSION for NVFP4 (used if that name moves)
 W4A16_BACKENDS = ("cute-dsl", "cudnn", "cute-dsl-native")
-# FlashInfer 0.7.2's @supported_compute_capability lists, checked before importing it (it may not be installed);
-# its own is_backend_supported is asked again after the import.
-B12X_CCS = (120, 121)
-W4A16_CCS = {"cute-dsl": (100, 103, 107, 110, 120, 121), "cudnn": (100, 103, 107, 110, 120, 121),
-             "cute-dsl-native": (120, 121)}
 OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -44,27 +37,9 @@ class Fp4RouteUnavailable(RuntimeError):
     """The route cannot run here (GPU, toolkit, FlashInfer); the message says why and what it needs."""
 
 
-def _cc(capability: Capability) -> str:
-    return f"sm_{capability[0]}{capability[1]}"
-
-
-def _capability(where: Capability | torch.device | str) -> Capability | str:
-    """A (major, minor) tuple as given, or the capability of a device; a refusal string for a non-CUDA device."""
-    if isinstance(where, tuple):
-        return where
-    device = torch.device(where)
-    if device.type != "cuda":
-        return f"needs a CUDA device, got {device}"
-    return torch.cuda.get_device_capability(device)
-
-
-def _require_gpu(route: str, t: torch.Tensor, refuse) -> None:
+def require_cuda(route: str, t: torch.Tensor) -> None:
     if t.device.type != "cuda":
         raise Fp4RouteUnavailable(f"{route}: needs CUDA tensors, got a tensor on {t.device}")
-    cap = torch.cuda.get_device_capability(t.device)
-    reason = refuse(cap)
-    if reason:
-        raise Fp4RouteUnavailable(f"{route}: {reason}")
 
 
 def _check_alpha(alpha: torch.Tensor, device: torch.device) -> None:
@@ -87,32 +62,6 @@ def _check_weight(w_codes: torch.Tensor, w_scales: torch.Tensor) -> tuple[int, i
 
 # ---------------------------------------------------------------------------------------------------------------
 # cuBLAS: torch._scaled_mm on float4_e2m1fn_x2
-
-
-def cublas_refusal(
-    capability: Capability | torch.device, n: int, k: int, *, cuda_version: str | None = None
-) -> str | None:
-    """Why the cuBLAS NVFP4 route cannot serve an ``[N, K]`` weight on ``capability`` (None: it can).
-
-    cuBLASLt block-scaled FP4 (CUDA >= 12.8) exists on sm_100/sm_103 and sm_120/sm_121 only.  torch._scaled_mm
-    asserts K/2 % 16 == 0 on the FP4 operands and N % 16 == 0 on the weight; we refuse those instead of padding
-    (every checkpoint shape we ship satisfies them).
-    """
-    capability = _capability(capability)
-    if isinstance(capability, str):
-        return capability
-    if not hasattr(torch, "float4_e2m1fn_x2"):
-        return f"torch {torch.__version__} has no float4_e2m1fn_x2 dtype"
-    if capability[0] not in (10, 12):
-        return f"cuBLAS NVFP4 GEMMs need sm_100 or sm_120, this GPU is {_cc(capability)}"
-    version = torch.version.cuda if cuda_version is None else cuda_version
-    if version is None or tuple(int(p) for p in version.split(".")[:2]) < (12, 8):
-        return f"cuBLAS NVFP4 needs a CUDA >= 12.8 build of torch, got CUDA {version}"
-    if k % 32:
-        return f"K = {k} is not a multiple of 32 (torch._scaled_mm: the packed FP4 K/2 must be a multiple of 16)"
-    if n % 16:
-        return f"N = {n} is not a multiple of 16 (torch._scaled_mm)"
-    return None
 
 
 def prepare_cublas_weight(w_codes: torch.Tensor, w_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +113,7 @@ def scaled_mm_nvfp4(
         check_tensor("bias", bias, dtype=out_dtype, shape=[n], device=a_codes.device)
     if m == 0:
         return torch.empty((0, n), dtype=out_dtype, device=a_codes.device)
-    _require_gpu("cublas", a_codes, lambda cap: cublas_refusal(cap, n, 2 * kh))
+    require_cuda("cublas", a_codes)
 
     a = a_codes.view(torch.float4_e2m1fn_x2)
     b = w_codes.view(torch.float4_e2m1fn_x2).t()  # [K/2, N] column-major, as _scaled_mm wants
@@ -184,10 +133,12 @@ def scaled_mm_nvfp4(
     return out if bias is None else out + bias
 
 
-def cublas_linear(x, in_enc, w_codes, w_scales_swizzled, alpha, *, bias=None, fused_alpha: bool = True):
-    """The whole cublas route: our activation quant (swizzled scales) + :func:`scaled_mm_nvfp4`; out is x.dtype."""
+def cublas_linear(x, in_enc, w_codes, w_scales_swizzled, alpha, *, quant_tile: dict, bias=None,
+                  fused_alpha: bool = True):
+    """The whole cublas route: our activation quant (swizzled scales, on ``quant_tile``) + :func:`scaled_mm_nvfp4`;
+    out is x.dtype."""
     check_tensor("x", x, dtype=ACT_DTYPES, ndim=2)
-    a_codes, a_sf = quantize_act_nvfp4(x, in_enc, swizzled=True)
+    a_codes, a_sf = quantize_act_nvfp4(x, in_enc, swizzled=True, **quant_tile)
     return scaled_mm_nvfp4(a_codes, a_sf, w_codes, w_scales_swizzled, alpha, x.dtype, bias, fused_alpha=fused_alpha)
 
 
@@ -195,78 +146,13 @@ def cublas_linear(x, in_enc, w_codes, w_scales_swizzled, alpha, *, bias=None, fu
 # FlashInfer
 
 
-def _flashinfer():
+def flashinfer():
+    """The ``flashinfer`` module; :class:`Fp4RouteUnavailable` saying why when it cannot be imported."""
     try:
         import flashinfer
     except Exception as err:  # ImportError, or a broken install raising at import
         raise Fp4RouteUnavailable(f"flashinfer is not importable: {type(err).__name__}: {err}") from err
     return flashinfer
-
-
-def _flashinfer_reason() -> str | None:
-    try:
-        _flashinfer()
-    except Fp4RouteUnavailable as err:
-        return str(err)
-    return None
-
-
-@functools.cache
-def flashinfer_cuda_version() -> str:
-    """FlashInfer's own CUDA toolkit probe (nvcc, else torch.version.cuda), once per process: it runs nvcc."""
-    from flashinfer.jit.cpp_ext import get_cuda_version
-
-    return str(get_cuda_version())
-
-
-def _b12x_min_cuda():
-    from packaging.version import Version
-
-    try:
-        from flashinfer.gemm.gemm_base import _MIN_B12X_CUDA_VERSION
-
-        return Version(str(_MIN_B12X_CUDA_VERSION))
-    except ImportError:
-        return Version(B12X_MIN_CUDA)
-
-
-def b12x_refusal(
-    capability: Capability | torch.device, n: int, k: int, *, cuda_version: str | None = None
-) -> str | None:
-    """Why FlashInfer ``mm_fp4(backend="b12x")`` cannot serve an ``[N, K]`` weight (None: it can).
-
-    N % 8 != 0 is refused: FlashInfer returns wrong output there even with N padded.  K only needs % 16 (the
-    NVFP4 block); we pad K and N to 32 like vLLM.  ``cuda_version`` overrides FlashInfer's toolkit probe (tests).
-    """
-    from packaging.version import Version
-
-    capability = _capability(capability)
-    if isinstance(capability, str):
-        return capability
-    if k % 16:
-        return f"K = {k} is not a multiple of 16 (one NVFP4 scale per 16 elements)"
-    if n % 8:
-        return f"N = {n} is not a multiple of 8: FlashInfer's b12x GEMM returns wrong output there"
-    cc = capability[0] * 10 + capability[1]
-    if cc not in B12X_CCS:
-        return f"FlashInfer b12x runs on sm_120/sm_121 only, this GPU is {_cc(capability)}"
-    reason = _flashinfer_reason()
-    if reason:
-        return reason
-    fi = _flashinfer()
-    if not fi.mm_fp4.is_backend_supported("b12x", cc):
-        return f"flashinfer {getattr(fi, '__version__', '?')} does not support b12x on {_cc(capability)}"
-    version = cuda_version if cuda_version is not None else flashinfer_cuda_version()
-    need = _b12x_min_cuda()
-    if Version(version) < need:
-        return f"FlashInfer b12x NVFP4 needs CUDA >= {need} (FlashInfer's probe found CUDA {version})"
-    try:
-        from flashinfer.cute_dsl.availability import is_cute_dsl_available
-    except ImportError:
-        return "FlashInfer b12x needs CuTe DSL (nvidia-cutlass-dsl), which is not importable"
-    if not is_cute_dsl_available():
-        return "FlashInfer b12x needs CuTe DSL (nvidia-cutlass-dsl), which is not available"
-    return None
 
 
 def prepare_b12x_weight(w_codes: torch.Tensor, w_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,13 +174,14 @@ def b12x_linear(
     alpha: torch.Tensor,
     n: int,
     *,
+    quant_tile: dict,
     bias: torch.Tensor | None = None,
     quantizer: str = "ours",
 ) -> torch.Tensor:
     """``alpha * (quant(x) @ W^T) (+ bias)`` via ``mm_fp4(backend="b12x")`` on a :func:`prepare_b12x_weight` weight.
 
     ``n``: the layer's real output size (the weight may be padded).  ``quantizer``: "ours"
-    (:func:`quantize_act_nvfp4`) or "flashinfer" (``fp4_quantize`` with ``nvfp4_4over6=None``).
+    (:func:`quantize_act_nvfp4` on ``quant_tile``) or "flashinfer" (``fp4_quantize`` with ``nvfp4_4over6=None``).
     The bias is added to the bf16/fp16 output (mm_fp4 has no bias epilogue): one more rounding than the reference.
     """
     check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
@@ -316,14 +203,14 @@ def b12x_linear(
         raise ValueError(f"quantizer: expected 'ours' or 'flashinfer', got {quantizer!r}")
     if t == 0:
         return torch.empty((0, n), dtype=x.dtype, device=x.device)
-    _require_gpu("b12x", x, lambda cap: b12x_refusal(cap, n, k))
-    fi = _flashinfer()
+    require_cuda("b12x", x)
+    fi = flashinfer()
 
     if quantizer == "ours":
         # A K-padded code buffer gets its zero bytes from torch.zeros (no host sync; CUDA-graph safe).
         codes = torch.zeros((t, k_pad // 2), dtype=torch.uint8, device=x.device) if k_pad != k else None
         view = codes[:, : k // 2] if codes is not None else None
-        a_codes, a_sf = quantize_act_nvfp4(x, in_enc, swizzled=True, out_codes=view)
+        a_codes, a_sf = quantize_act_nvfp4(x, in_enc, swizzled=True, out_codes=view, **quant_tile)
         a_codes = codes if codes is not None else a_codes
     else:
         a_codes, a_sf = fi.fp4_quantize(x, in_enc, sf_vec_size=16, sf_use_ue8m0=False, is_sf_swizzled_layout=True,
@@ -338,46 +225,6 @@ def b12x_linear(
 
 # ---------------------------------------------------------------------------------------------------------------
 # FlashInfer W4A16: mm_bf16_fp4 (a named comparison option: cute-dsl repacks the weight at load)
-
-
-def flashinfer_w4a16_refusal(
-    capability: Capability | torch.device,
-    n: int,
-    k: int,
-    *,
-    backend: str = "cute-dsl",
-    act_dtype: torch.dtype = torch.bfloat16,
-) -> str | None:
-    """Why ``mm_bf16_fp4(backend=...)`` cannot serve an ``[N, K]`` weight with ``act_dtype`` activations."""
-    capability = _capability(capability)
-    if isinstance(capability, str):
-        return capability
-    if backend not in W4A16_BACKENDS:
-        return f"backend {backend!r} is not one of {W4A16_BACKENDS}"
-    if act_dtype != torch.bfloat16:
-        return f"FlashInfer mm_bf16_fp4 takes bfloat16 activations only, got {act_dtype}"
-    if k % 16:
-        return f"K = {k} is not a multiple of 16"
-    if backend == "cute-dsl" and capability[0] == 12 and n % 64:
-        return f"N = {n} is not a multiple of 64 (cute-dsl weight packing on sm_12x)"
-    if backend == "cute-dsl-native" and n * k >= 2**31:
-        return f"N x K = {n * k} >= 2^31 (cute-dsl-native)"
-    if capability[0] * 10 + capability[1] not in W4A16_CCS[backend]:
-        return f"FlashInfer mm_bf16_fp4 backend {backend!r} does not support {_cc(capability)}"
-    reason = _flashinfer_reason()
-    if reason:
-        return reason
-    fi = _flashinfer()
-    if not hasattr(fi, "mm_bf16_fp4"):
-        return f"flashinfer {getattr(fi, '__version__', '?')} has no mm_bf16_fp4"
-    if not fi.mm_bf16_fp4.is_backend_supported(backend, capability[0] * 10 + capability[1]):
-        return f"FlashInfer mm_bf16_fp4 backend {backend!r} does not support {_cc(capability)}"
-    if backend == "cudnn":
-        from flashinfer.gemm.gemm_base import CUDNN_AVAILABLE
-
-        if not CUDNN_AVAILABLE:
-            return "FlashInfer mm_bf16_fp4 backend 'cudnn' needs the cuDNN frontend, which is not importable"
-    return None
 
 
 def prepare_flashinfer_w4a16(
@@ -395,8 +242,7 @@ def prepare_flashinfer_w4a16(
                          "different globals need the W4A16 kernel, which applies each part's own")
     if backend not in W4A16_BACKENDS:
         raise ValueError(f"backend: expected one of {W4A16_BACKENDS}, got {backend!r}")
-    fi = _flashinfer()
-    return fi.prepare_bf16_fp4_weights(w_codes.contiguous(), swizzle_128x4(w_scales), weight_dec.reshape(1),
+    return flashinfer().prepare_bf16_fp4_weights(w_codes.contiguous(), swizzle_128x4(w_scales), weight_dec.reshape(1),
                                        backend=backend)
 
 
@@ -408,7 +254,6 @@ def flashinfer_w4a16_linear(x, prepared, n: int, *, backend: str = "cute-dsl", b
         check_tensor("bias", bias, dtype=x.dtype, shape=[n], device=x.device)
     if x.shape[0] == 0:
         return torch.empty((0, n), dtype=x.dtype, device=x.device)
-    _require_gpu(f"flashinfer_w4a16[{backend}]",
-                 x, lambda cap: flashinfer_w4a16_refusal(cap, n, x.shape[1], backend=backend))
-    out = _flashinfer().mm_bf16_fp4(x.contiguous(), b, sf, alpha, backend=backend, out_dtype=x.dtype)
+    require_cuda(f"flashinfer_w4a16[{backend}]", x)
+    out = flashinfer().mm_bf16_fp4(x.contiguous(), b, sf, alpha, backend=backend, out_dtype=x.dtype)
     return out if bias is None else out + bias

@@ -23,16 +23,13 @@ gemv_mma (T up to 32, tensor cores, bf16/fp16 ``mma.sync`` m16n8k16)
     (``convert_layout(..., assert_trivial=True)``).  tests/kernels/test_gluon_gemv.py models the mapping in Python
     and runs the kernel against the dequant reference (GPU).
 
-e2m1 decode (``DECODE`` constexpr): ``DECODE_CVT`` uses the native ``cvt.rn.{f16,bf16}x2.e2m1x2`` (sm_100a/sm_120a;
-the bf16 form needs PTX ISA 9.2, i.e. Triton >= 3.8); ``DECODE_PORTABLE`` is an exact lop3/prmt table that runs on
-any sm_80+ (the H200 tests use it).  Both give, per code byte, one 32-bit register holding two 16-bit floats (low
-half = low nibble = even k); the asm strings live in ``E2M1_ASM`` below and are checked bit-exactly on CPU by a
-PTX model in the tests.  e2m1 x e4m3 products are exact in fp16 and bf16, so every path is exact up to fp32
-summation order.
+e2m1 decode (``DECODE`` constexpr): the native cvt or the portable lop3/prmt table of :mod:`.gluon_common`.  e2m1 x
+e4m3 products are exact in fp16 and bf16, so every path is exact up to fp32 summation order.
 
 Cache policy: activations ``evict_last`` (every CTA re-reads them), weights the default policy (a weight
 ``evict_first`` measured slower in a full model step: it left dirty L2 lines for the next kernels).
-K is a constexpr and the K loop is unrolled: one compile per (K, tile), as the model's shapes are few.
+K is a constexpr and the K loop is unrolled: one compile per (K, tile), as the model's shapes are few.  The
+launchers take their tile (:class:`FmaTile` / :class:`MmaTile`) from the dispatch (``dispatch/linear.py``).
 """
 
 from __future__ import annotations
@@ -42,58 +39,12 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .gluon_compat import HAS_GLUON, ampere, gl, gluon, ptx_isa_version, require_gluon
-from .w4a16_linear import check_linear_inputs, trivial_linear_output
+from .common import check_linear_inputs, trivial_linear_output
+from .gluon_common import DECODE_CVT, DECODE_PORTABLE, default_decode  # noqa: F401  (the values of DECODE)
+from .gluon_compat import HAS_GLUON, ampere, gl, gluon, require_gluon
 
 # ---------------------------------------------------------------------------------------------------------------
-# e2m1 decode: inline PTX, 4 code bytes in ($4) -> 4 registers out ($0..$3), output i = byte i as a 16-bit pair.
-# ---------------------------------------------------------------------------------------------------------------
-DECODE_CVT = 0  # native cvt (sm_100a / sm_120a)
-DECODE_PORTABLE = 1  # lop3/prmt table, any sm_80+
-
-_CVT_TEMPLATE = (
-    "{ .reg .b8 b<4>; mov.b32 {b0, b1, b2, b3}, $4; "
-    "cvt.rn.%s.e2m1x2 $0, b0; cvt.rn.%s.e2m1x2 $1, b1; cvt.rn.%s.e2m1x2 $2, b2; cvt.rn.%s.e2m1x2 $3, b3; }"
-)
-# prmt(a, b, sel) picks byte sel_nibble from the 8 bytes {b:a}; a code's low 3 bits index the magnitude table,
-# (code >> 3) indexes {0x00, 0x80} for the sign byte (Triton's FP4ToBP16 trick, notes §5).
-E2M1_ASM = {
-    ("cvt", "f16"): _CVT_TEMPLATE % (("f16x2",) * 4),
-    ("cvt", "bf16"): _CVT_TEMPLATE % (("bf16x2",) * 4),
-    # fp16 |e2m1| = 0, .5, 1, 1.5, 2, 3, 4, 6 has a zero low byte; high bytes 00 38 3C 3E 40 42 44 46.
-    ("portable", "f16"): (
-        "{ .reg .b32 a<11>; "
-        "and.b32 a0, $4, 0x88888888; shr.u32 a1, a0, 3; shr.u32 a2, a0, 19; "
-        "and.b32 a3, $4, 0x77777777; shr.u32 a4, a3, 16; "
-        "prmt.b32 a5, 0x3E3C3800, 0x46444240, a3; prmt.b32 a6, 0x3E3C3800, 0x46444240, a4; "
-        "prmt.b32 a7, 0x8000, 0, a1; prmt.b32 a8, 0x8000, 0, a2; "
-        "or.b32 a9, a5, a7; or.b32 a10, a6, a8; "
-        "prmt.b32 $0, a9, 0, 0x1404; prmt.b32 $1, a9, 0, 0x3424; "
-        "prmt.b32 $2, a10, 0, 0x1404; prmt.b32 $3, a10, 0, 0x3424; }"
-    ),
-    # Triton's own bf16 table (Fp4ToFpOpToLLVM), bit-exact on the H200 for all 256 bytes (notes §5).
-    ("portable", "bf16"): (
-        "{ .reg .b32 a<13>; "
-        "and.b32 a0, $4, 0x88888888; shr.u32 a1, a0, 3; and.b32 a2, $4, 0x77777777; shr.u32 a3, a2, 16; "
-        "shr.u32 a4, a0, 19; "
-        "prmt.b32 a5, 0xC0800000, 0xC0804000, a2; prmt.b32 a6, 0xC0800000, 0xC0804000, a3; "
-        "prmt.b32 a7, 0x3F3F3F00, 0x40404040, a2; prmt.b32 a8, 0x3F3F3F00, 0x40404040, a3; "
-        "prmt.b32 a9, 0x8000, 0, a1; prmt.b32 a10, 0x8000, 0, a4; "
-        "or.b32 a11, a7, a9; or.b32 a12, a8, a10; "
-        "prmt.b32 $0, a5, a11, 0x5140; prmt.b32 $1, a5, a11, 0x7362; "
-        "prmt.b32 $2, a6, a12, 0x5140; prmt.b32 $3, a6, a12, 0x7362; }"
-    ),
-}
-E2M1_ASM_CONSTRAINTS = "=r,=r,=r,=r,r"
-# Gluon reads asm strings only from constexpr globals.
-_ASM_CVT_F16 = gl.constexpr(E2M1_ASM[("cvt", "f16")]) if HAS_GLUON else None
-_ASM_CVT_BF16 = gl.constexpr(E2M1_ASM[("cvt", "bf16")]) if HAS_GLUON else None
-_ASM_PORTABLE_F16 = gl.constexpr(E2M1_ASM[("portable", "f16")]) if HAS_GLUON else None
-_ASM_PORTABLE_BF16 = gl.constexpr(E2M1_ASM[("portable", "bf16")]) if HAS_GLUON else None
-_ASM_CONSTRAINTS = gl.constexpr(E2M1_ASM_CONSTRAINTS) if HAS_GLUON else None
-
-# ---------------------------------------------------------------------------------------------------------------
-# Tiles and the config
+# Tiles (which one runs is the dispatch's choice)
 # ---------------------------------------------------------------------------------------------------------------
 FMA_K_STEP = 1024  # 32 lanes x 32 elements (16 code bytes) per warp step
 MMA_K_BLOCK = 128  # the permuted block: 4 lanes x 32 elements
@@ -119,36 +70,6 @@ class MmaTile:
     block_m: int = MMA_BLOCK_M
 
 
-# Every tile gemv_config can return (the tests compile and run each one).
-FMA_TILES = (FmaTile(1, 1, 4), FmaTile(2, 1, 4), FmaTile(1, 2, 4), FmaTile(2, 2, 4))
-MMA_TILES = tuple(MmaTile(bt, w) for bt in (8, 16, 32) for w in (4, 8))
-GEMV_MAX_T = 32
-
-
-def all_gemv_tiles() -> list[tuple[str, FmaTile | MmaTile]]:
-    return [("fma", t) for t in FMA_TILES] + [("mma", t) for t in MMA_TILES]
-
-
-def gemv_config(t: int, n: int, k: int, sm_count: int) -> tuple[str, FmaTile | MmaTile] | None:
-    """``("fma" | "mma", tile)`` for a small-batch W4A16 linear, or ``None`` when T is too large for a gemv.
-
-    First guesses from the bandwidth arithmetic, to be tuned on sm_120 (nothing here was measured on one):
-    - T <= 2: CUDA cores.  One row per warp keeps 4 warps x 16 B per lane in flight per step; with fewer rows than
-      ~16 per SM (small N) the same work in 2-row warps halves the number of CTAs that each reload x.
-    - T <= 32: tensor cores, the smallest mma N that covers T (8/16/32; each token block is a separate CTA row
-      of the grid, so T = 33+ goes to the GEMM).  8 warps (8 x 1 KB of codes per step) when 16-row CTAs would give
-      fewer than 4 CTAs per SM, else 4.
-    """
-    if t > GEMV_MAX_T or n <= 0 or k <= 0:
-        return None
-    if t <= 2:
-        rows_per_warp = 2 if n >= 64 * sm_count else 1
-        return "fma", FmaTile(block_t=max(t, 1), rows_per_warp=rows_per_warp, num_warps=4)
-    block_t = 8 if t <= 8 else 16 if t <= 16 else 32
-    warps = 8 if triton.cdiv(n, MMA_BLOCK_M) < 4 * sm_count else 4
-    return "mma", MmaTile(block_t=block_t, num_warps=warps)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------------------------
@@ -172,28 +93,7 @@ GEMV_MMA_DIVISIBLE = GEMV_FMA_DIVISIBLE
 
 
 if HAS_GLUON:
-
-    @gluon.jit
-    def _e2m1_pairs(codes, DECODE: gl.constexpr, F16: gl.constexpr):
-        """uint8 codes -> int32 of the same shape and layout: two 16-bit floats per byte, low half = low nibble."""
-        if DECODE == 0:
-            if F16:
-                pairs = gl.inline_asm_elementwise(_ASM_CVT_F16, _ASM_CONSTRAINTS, [codes], gl.int32, True, 4)
-            else:
-                pairs = gl.inline_asm_elementwise(_ASM_CVT_BF16, _ASM_CONSTRAINTS, [codes], gl.int32, True, 4)
-        else:
-            if F16:
-                pairs = gl.inline_asm_elementwise(_ASM_PORTABLE_F16, _ASM_CONSTRAINTS, [codes], gl.int32, True, 4)
-            else:
-                pairs = gl.inline_asm_elementwise(_ASM_PORTABLE_BF16, _ASM_CONSTRAINTS, [codes], gl.int32, True, 4)
-        return pairs
-
-    @gluon.jit
-    def _split_pairs(pairs, dtype: gl.constexpr):
-        """int32 pairs -> (low-nibble values, high-nibble values) as ``dtype`` (fp16 or bf16)."""
-        lo = pairs.to(gl.int16).to(dtype, bitcast=True)
-        hi = (pairs >> 16).to(gl.int16).to(dtype, bitcast=True)
-        return lo, hi
+    from .gluon_common import e2m1_pairs, split_pairs
 
     @gluon.jit
     def _gemv_fma_kernel(
@@ -251,7 +151,7 @@ if HAS_GLUON:
                 sc = gl.load(ws_ptr + scale_off + k0 // 16, mask=(k0 + 16 * g_s[None, :]) < K, other=0)
                 x = gl.load(x_ptr + x_off + k0, mask=(k0 + k_x) < K, other=0.0, eviction_policy="evict_last")
             codes = gl.convert_layout(raw.reshape([ROWS, GROUPS, 8]), C3, assert_trivial=True)
-            lo, hi = _split_pairs(_e2m1_pairs(codes, DECODE, True), gl.float16)
+            lo, hi = split_pairs(e2m1_pairs(codes, DECODE, True), gl.float16)
             # [ROWS, 64, 8] x2 -> [ROWS, 64, 8, 2] -> [ROWS, 64, 16]: element 2b + h, i.e. memory order.
             w = gl.convert_layout(gl.join(lo, hi).reshape([ROWS, GROUPS, 16]), W3, assert_trivial=True)
             part = gl.sum(w.to(gl.float32)[None, :, :, :] * x.to(gl.float32)[:, None, :, :], axis=3)
@@ -335,7 +235,7 @@ if HAS_GLUON:
                 x = gl.load(x_ptr + x_off + k0, mask=(k0 + kx) < K, other=0.0, eviction_policy="evict_last")
             # Weights: decode, scale per 16-group (exact in fp16/bf16), then the k permutation as a relabelling.
             codes = gl.convert_layout(raw.reshape([WARPS, BM, 8, 8]), C4, assert_trivial=True)
-            lo, hi = _split_pairs(_e2m1_pairs(codes, DECODE, F16), DT)
+            lo, hi = split_pairs(e2m1_pairs(codes, DECODE, F16), DT)
             s16 = sc.to(gl.float8e4nv, bitcast=True).to(DT)[:, :, :, None]
             w = gl.join(lo * s16, hi * s16)  # [WARPS, BM, 8, 8, 2]: memory k = 16 g + 2 b + h = 32 t + 8 c + j
             w = w.reshape([WARPS, BM, 4, 4, 8]).permute(0, 1, 3, 2, 4).reshape([WARPS, BM, KB])
@@ -361,20 +261,6 @@ if HAS_GLUON:
 # ---------------------------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------------------------
-def decode_for(cc_major: int, dtype: torch.dtype, ptx_isa: int) -> int:
-    """The native cvt where the GPU has it (sm_100+, incl. sm_120) *and* the PTX ISA Triton will emit accepts it
-    (bf16 needs 9.2, fp16 8.7), else the portable table.  The ISA follows the ptxas Triton uses, which an
-    import can change: FlashInfer points ``TRITON_PTXAS_BLACKWELL_PATH`` at a system CUDA >= 13 ptxas, and CUDA
-    13.0's emits PTX 9.0, which rejects the bf16 cvt."""
-    needed = 92 if dtype == torch.bfloat16 else 87
-    return DECODE_CVT if cc_major >= 10 and ptx_isa >= needed else DECODE_PORTABLE
-
-
-def default_decode(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> int:
-    major = torch.cuda.get_device_capability(device)[0]
-    return decode_for(major, dtype, ptx_isa_version(major * 10) if major >= 10 else 0)
-
-
 def _check_gemv_args(fn, x, w_codes, w_scales, w_dec_rows, bias, out):
     """The linear launchers' checks; the Gluon kernels also want the bias in x's dtype."""
     from ..format.checks import check_tensor
@@ -385,14 +271,14 @@ def _check_gemv_args(fn, x, w_codes, w_scales, w_dec_rows, bias, out):
     return t, n, k, w_scales, out
 
 
-def gemv_fma(x, w_codes, w_scales, w_dec_rows, *, bias=None, tile: FmaTile | None = None,
-             decode: int | None = None, out=None):
-    """``(x @ W^T) * w_dec_rows (+ bias)`` on CUDA cores; meant for T <= 2 (any T works, in blocks of tile.block_t)."""
+def gemv_fma(x, w_codes, w_scales, w_dec_rows, *, tile: FmaTile, bias=None, decode: int | None = None, out=None):
+    """``(x @ W^T) * w_dec_rows (+ bias)`` on CUDA cores; meant for T <= 2 (any T works, in blocks of tile.block_t).
+
+    ``decode=None``: :func:`.gluon_common.default_decode` for x's GPU."""
     require_gluon("gemv_fma")
     t, n, k, w_scales, out = _check_gemv_args("gemv_fma", x, w_codes, w_scales, w_dec_rows, bias, out)
     if (done := trivial_linear_output(out, k, w_dec_rows, bias)) is not None:
         return done
-    tile = tile or FmaTile(block_t=min(t, 2), rows_per_warp=1, num_warps=4)
     decode = default_decode(x.device, x.dtype) if decode is None else decode
     grid = (triton.cdiv(n, tile.block_n), triton.cdiv(t, tile.block_t))
     _gemv_fma_kernel[grid](
@@ -404,14 +290,13 @@ def gemv_fma(x, w_codes, w_scales, w_dec_rows, *, bias=None, tile: FmaTile | Non
     return out
 
 
-def gemv_mma(x, w_codes, w_scales, w_dec_rows, *, bias=None, tile: MmaTile | None = None,
-             decode: int | None = None, out=None):
-    """``(x @ W^T) * w_dec_rows (+ bias)`` on tensor cores (bf16/fp16 mma.sync); meant for T <= 32."""
+def gemv_mma(x, w_codes, w_scales, w_dec_rows, *, tile: MmaTile, bias=None, decode: int | None = None, out=None):
+    """``(x @ W^T) * w_dec_rows (+ bias)`` on tensor cores (bf16/fp16 mma.sync); meant for T <= 32 (any T works,
+    in blocks of tile.block_t).  ``decode`` as in :func:`gemv_fma`."""
     require_gluon("gemv_mma")
     t, n, k, w_scales, out = _check_gemv_args("gemv_mma", x, w_codes, w_scales, w_dec_rows, bias, out)
     if (done := trivial_linear_output(out, k, w_dec_rows, bias)) is not None:
         return done
-    tile = tile or MmaTile(block_t=8 if t <= 8 else 16 if t <= 16 else 32, num_warps=4)
     decode = default_decode(x.device, x.dtype) if decode is None else decode
     grid = (triton.cdiv(n, tile.block_m), triton.cdiv(t, tile.block_t))
     _gemv_mma_kernel[grid](
@@ -421,16 +306,3 @@ def gemv_mma(x, w_codes, w_scales, w_dec_rows, *, bias=None, tile: MmaTile | Non
         num_warps=tile.num_warps,
     )
     return out
-
-
-def gemv(x, w_codes, w_scales, w_dec_rows, *, bias=None, sm_count: int | None = None, decode: int | None = None,
-         out=None):
-    """Pick the kernel and tile with :func:`gemv_config` and run it (T must be <= GEMV_MAX_T)."""
-    if sm_count is None:
-        sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count
-    cfg = gemv_config(x.shape[0], w_codes.shape[0], x.shape[1], sm_count)
-    if cfg is None:
-        raise ValueError(f"x: T = {x.shape[0]} tokens is more than a gemv handles (<= {GEMV_MAX_T}); use the GEMM")
-    kind, tile = cfg
-    fn = gemv_fma if kind == "fma" else gemv_mma
-    return fn(x, w_codes, w_scales, w_dec_rows, bias=bias, tile=tile, decode=decode, out=out)

@@ -11,7 +11,7 @@ Three partitions, connected by mbarrier rings of ``STAGES`` slots (one slot = on
                                     masked pointer loads + ``smem.store``.                  codes_ready → decode
   decode  (4 warps)                 codes → e2m1 × e4m3 → bf16/fp16 ``[BLOCK_N, BLOCK_K]`` into shared memory
                                     (``DECODE``: the native cvt on sm_100+/sm_120, the exact lop3/prmt table on
-                                    sm_90; :data:`.gluon_gemv.E2M1_ASM`).    codes_empty → loader, b_ready → mma
+                                    sm_90; :data:`.gluon_common.E2M1_ASM`).  codes_empty → loader, b_ready → mma
   mma     (default, ``num_warps``)  activations gathered by route straight into the ``mma_v2`` operand layout,
                                     B by ``ldmatrix`` from the decoded slot, fp32 accumulation; the epilogue
                                     (gate_up: decode global + gated activation → 16-bit intermediate ``[R, I]``;
@@ -36,23 +36,22 @@ from __future__ import annotations
 
 import triton
 
+from .common import SM120_MAX_SMEM_BYTES
+from .gluon_common import codes_desc_type, default_decode, divisible_args, moe_grid, weight_desc
 from .gluon_compat import HAS_GLUON, ampere, gl, gluon, hopper, mbarrier_expect, require_gluon, tma_async_load
 from .moe_align import MoeAlignment
-from .moe_w4a16 import gated_activation_f32
+from .moe_common import ALIGN_SIGNATURE, check_w4a16_down_inputs, check_w4a16_gate_up_inputs, gated_activation_f32
 
 LOADER_WARPS = 1
 DECODE_WARPS = 4
 LOADER_REGS = 40  # TMA: a few scalars
 LOADER_REGS_PTR = 88  # pointer loads: a [BLOCK_N, BLOCK_K/2] code tile and its addresses in one warp
 DECODE_REGS = 128
-# Shared memory per block on sm_120 (aot.SM120_MAX_SMEM_BYTES); the launcher refuses tiles that cannot fit.
-SMEM_LIMIT = 99 * 1024
 
 # The sm_120 compile harness: argument types as the launchers pass them (bf16 activations).
-_COMMON = {"sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32"}
 GLUON_MOE_W4A16_SIGNATURE = {
     "x_ptr": "*bf16", "w_ptr": "*u8", "w_desc": "*u8", "w_sf_ptr": "*u8", "w_dec_ptr": "*fp32",
-    "topk_w_ptr": "*fp32", "out_ptr": "*bf16", **_COMMON,
+    "topk_w_ptr": "*fp32", "out_ptr": "*bf16", **ALIGN_SIGNATURE,
     "R": "i32", "N": "i32", "K": "i32", "top_k": "i32", "max_blocks": "i32",
     "stride_xm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_wse": "i32", "stride_wsn": "i32",
     "stride_om": "i32",
@@ -64,11 +63,6 @@ GLUON_MOE_W4A16_DIVISIBLE = [k for k, v in GLUON_MOE_W4A16_SIGNATURE.items() if 
     "N", "K", "stride_xm", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_om"]
 
 
-def codes_smem_layout_args(block_k: int) -> dict:
-    """NVMMASharedLayout of a codes slot ``[BLOCK_N, BLOCK_K/2]`` u8 (TMA's destination): swizzle = row bytes."""
-    return dict(swizzle_byte_width=min(128, block_k // 2), element_bitwidth=8, rank=2)
-
-
 def signature(gated: bool, use_tma: bool, block_n: int, block_k: int, dtype: str = "bf16") -> dict:
     """The kernel signature for one launch configuration (gate_up: 16-bit output; down: fp32 output)."""
     sig = dict(GLUON_MOE_W4A16_SIGNATURE)
@@ -77,17 +71,6 @@ def signature(gated: bool, use_tma: bool, block_n: int, block_k: int, dtype: str
     if use_tma:
         sig["w_desc"] = codes_desc_type(block_n, block_k)
     return sig
-
-
-def codes_desc_type(block_n: int, block_k: int) -> str:
-    """The compile-harness type of the weight-codes TMA descriptor (both Gluon MoE kernels)."""
-    lay = ", ".join(f"{k}={v}" for k, v in codes_smem_layout_args(block_k).items())
-    return f"tensordesc<u8[{block_n},{block_k // 2}],NVMMASharedLayout({lay})>"
-
-
-def divisible_args(names: list[str], use_tma: bool) -> list[str]:
-    """``names`` without the weight descriptor when it is a TMA descriptor (not a pointer to mark divisible)."""
-    return [d for d in names if not (use_tma and d == "w_desc")]
 
 
 def divisible(use_tma: bool) -> list[str]:
@@ -101,30 +84,7 @@ def smem_bytes(gated: bool, block_n: int, block_k: int, stages: int) -> int:
 
 
 if HAS_GLUON:
-    from .gluon_gemv import _e2m1_pairs, _split_pairs
-
-    @gluon.jit
-    def _tile_coords(tile, max_blocks, num_n, PERSISTENT: gl.constexpr, GROUP_M: gl.constexpr):
-        """Tile index → (row block, column tile).  Persistent: row-major (the live tiles are a prefix)."""
-        if PERSISTENT:
-            pid_m = tile // num_n
-            pid_n = tile % num_n
-        else:  # GROUP_M row blocks share a column tile while it is in L2 (moe_align.moe_block_coords)
-            group = tile // (GROUP_M * num_n)
-            first = group * GROUP_M
-            rows_in_group = gl.minimum(max_blocks - first, GROUP_M)
-            pid_m = first + (tile % (GROUP_M * num_n)) % rows_in_group
-            pid_n = (tile % (GROUP_M * num_n)) // rows_in_group
-        return pid_m, pid_n
-
-    @gluon.jit
-    def _tile_range(num_padded_ptr, max_blocks, num_n, BLOCK_M: gl.constexpr, PERSISTENT: gl.constexpr):
-        """(first tile, end, step) of this program: every partition walks the same sequence."""
-        if PERSISTENT:
-            end = (gl.load(num_padded_ptr) // BLOCK_M) * num_n
-        else:
-            end = max_blocks * num_n
-        return gl.program_id(0), end, gl.num_programs(0)
+    from .gluon_common import decode_tile, down_epilogue, tile_coords, tile_range
 
     # ---- loader: weight codes into the codes ring ----------------------------------------------------------
     @gluon.jit
@@ -140,10 +100,10 @@ if HAS_GLUON:
         CL: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // KB, KB // 16], [1, 1], [1, 0])
         num_n = gl.cdiv(N, BLOCK_N)
         num_padded = gl.load(num_padded_ptr)
-        first, end, step = _tile_range(num_padded_ptr, max_blocks, num_n, BLOCK_M, PERSISTENT)
+        first, end, step = tile_range(num_padded_ptr, max_blocks, num_n, BLOCK_M, PERSISTENT)
         it = 0
         for tile in range(first, end, step):
-            pid_m, pid_n = _tile_coords(tile, max_blocks, num_n, PERSISTENT, GROUP_M)
+            pid_m, pid_n = tile_coords(tile, max_blocks, num_n, PERSISTENT, GROUP_M)
             if pid_m * BLOCK_M < num_padded:
                 e = gl.load(expert_ids_ptr + pid_m)
                 n0 = pid_n * BLOCK_N
@@ -173,14 +133,6 @@ if HAS_GLUON:
     def mbarrier_wait_phase(bar, phase):
         ampere.mbarrier.wait(bar, phase)
 
-    @gluon.jit
-    def _decode_tile(codes, scales, DECODE: gl.constexpr, F16: gl.constexpr, DT: gl.constexpr,
-                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
-        """codes [BLOCK_N, G, 8] u8 + scales [BLOCK_N, G] → weights [BLOCK_N, BLOCK_K] (exact: e2m1 × e4m3)."""
-        lo, hi = _split_pairs(_e2m1_pairs(codes, DECODE, F16), DT)
-        s16 = scales[:, :, None]
-        return gl.join(lo * s16, hi * s16).reshape([BLOCK_N, BLOCK_K])  # element 2b + h: memory order of k
-
     # ---- decode: codes ring → 16-bit weights ring -------------------------------------------------------------
     @gluon.jit
     def _decode_partition(
@@ -199,10 +151,10 @@ if HAS_GLUON:
         F16: gl.constexpr = DT == gl.float16
         num_n = gl.cdiv(N, BLOCK_N)
         num_padded = gl.load(num_padded_ptr)
-        first, end, step = _tile_range(num_padded_ptr, max_blocks, num_n, BLOCK_M, PERSISTENT)
+        first, end, step = tile_range(num_padded_ptr, max_blocks, num_n, BLOCK_M, PERSISTENT)
         it = 0
         for tile in range(first, end, step):
-            pid_m, pid_n = _tile_coords(tile, max_blocks, num_n, PERSISTENT, GROUP_M)
+            pid_m, pid_n = tile_coords(tile, max_blocks, num_n, PERSISTENT, GROUP_M)
             if pid_m * BLOCK_M < num_padded:
                 e = gl.load(expert_ids_ptr + pid_m).to(gl.int64)
                 rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S2))
@@ -225,9 +177,9 @@ if HAS_GLUON:
                         c1 = gl.convert_layout(codes_smem.index(s * NB + 1).load(LC).reshape([BLOCK_N, G, 8]), L3)
                     gl.barrier()
                     ampere.mbarrier.arrive(codes_empty.index(s))
-                    w0 = _decode_tile(c0, sc0, DECODE, F16, DT, BLOCK_N, BLOCK_K)
+                    w0 = decode_tile(c0, sc0, DECODE, F16, DT, BLOCK_N, BLOCK_K)
                     if GATED:
-                        w1 = _decode_tile(c1, sc1, DECODE, F16, DT, BLOCK_N, BLOCK_K)
+                        w1 = decode_tile(c1, sc1, DECODE, F16, DT, BLOCK_N, BLOCK_K)
                     mbarrier_wait_phase(b_empty.index(s), phase ^ 1)
                     b_smem.index(s * NB).store(w0)
                     if GATED:
@@ -253,10 +205,10 @@ if HAS_GLUON:
         B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
         num_n = gl.cdiv(N, BLOCK_N)
         num_padded = gl.load(num_padded_ptr)
-        first, end, step = _tile_range(num_padded_ptr, max_blocks, num_n, BLOCK_M, PERSISTENT)
+        first, end, step = tile_range(num_padded_ptr, max_blocks, num_n, BLOCK_M, PERSISTENT)
         it = 0
         for tile in range(first, end, step):
-            pid_m, pid_n = _tile_coords(tile, max_blocks, num_n, PERSISTENT, GROUP_M)
+            pid_m, pid_n = tile_coords(tile, max_blocks, num_n, PERSISTENT, GROUP_M)
             if pid_m * BLOCK_M < num_padded:
                 # Activation rows: the token (gate_up reads x [T, H]) or the route (down reads inter [R, I]).
                 ra = gl.load(sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, A_OP)))
@@ -293,24 +245,6 @@ if HAS_GLUON:
                 else:
                     down_epilogue(acc0, dec, topk_w_ptr, out_ptr, sorted_ids_ptr, pid_m, pid_n, R, N, top_k,
                                   stride_om, DETERMINISTIC, BLOCK_M, BLOCK_N)
-
-    @gluon.jit
-    def down_epilogue(acc, alpha, topk_w_ptr, out_ptr, sorted_ids_ptr, pid_m, pid_n, R, N, top_k, stride_om,
-                      DETERMINISTIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        """``routing weight x alpha x acc`` of one down-GEMM tile, in ``acc``'s layout → fp32 atomics into
-        ``[T, H]``, or the route's own row of ``[R, H]`` (deterministic).  Shared with the W4A4 kernels."""
-        L: gl.constexpr = acc.type.layout
-        route = gl.load(sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L)))
-        row_ok = route < R
-        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, L))
-        mask = row_ok[:, None] & (cols < N)[None, :]
-        weight = gl.load(topk_w_ptr + route, mask=row_ok, other=0.0)
-        y = (acc * alpha) * weight[:, None]
-        if DETERMINISTIC:
-            gl.store(out_ptr + route[:, None].to(gl.int64) * stride_om + cols[None, :], y, mask=mask)
-        else:
-            ptrs = out_ptr + (route // top_k)[:, None].to(gl.int64) * stride_om + cols[None, :]
-            gl.atomic_add(ptrs, y, mask=mask, sem="relaxed")
 
     @gluon.jit
     def _gluon_moe_w4a16_kernel(
@@ -378,62 +312,32 @@ def _check_tile(gated: bool, block_m: int, block_n: int, block_k: int, num_warps
     if num_stages < 2:
         raise ValueError(f"num_stages: the mbarrier ring needs >= 2 slots, got {num_stages}")
     need = smem_bytes(gated, block_n, block_k, num_stages)
-    if need > SMEM_LIMIT - 4096:  # room for barriers and the epilogue's layout-conversion scratch
+    if need > SM120_MAX_SMEM_BYTES - 4096:  # room for barriers and the epilogue's layout-conversion scratch
         raise ValueError(f"tile: {num_stages} stages of [{block_n}, {block_k}] need {need} B of shared memory "
-                         f"(sm_120 has {SMEM_LIMIT} B per block); use fewer stages or a smaller block_k")
-
-
-def _weight_desc(codes, use_tma: bool, block_n: int, block_k: int):
-    """The gluon TMA descriptor over the codes' [E * rows, K/2] view, or the codes themselves (unused)."""
-    if not use_tma:
-        return codes
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    e, n, kh = codes.shape
-    if not codes.is_contiguous() or (2 * kh) % block_k or codes.data_ptr() % 16:
-        raise ValueError(f"use_tma: the weight codes must be contiguous, 16-byte aligned, with K % block_k == 0; "
-                         f"got shape {list(codes.shape)} strides {codes.stride()} block_k {block_k}")
-    layout = gl.NVMMASharedLayout(**codes_smem_layout_args(block_k))
-    return TensorDescriptor.from_tensor(codes.view(e * n, kh), [block_n, block_k // 2], layout)
-
-
-def _grid(align: MoeAlignment, num_n: int, persistent: bool, device) -> tuple[int]:
-    tiles = align.max_blocks * num_n
-    if not persistent:
-        return (tiles,)
-    import torch
-
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return (max(1, min(sms, tiles)),)
-
-
-def _decode_mode(device, dtype, decode: int | None) -> int:
-    from .gluon_gemv import default_decode
-
-    return default_decode(device, dtype) if decode is None else decode
+                         f"(sm_120 has {SM120_MAX_SMEM_BYTES} B per block); use fewer stages or a smaller block_k")
 
 
 def _launch(x, codes, w_sf, dec, topk_w, out, align, n, k, stride_we, stride_wn, *, gated, activation,
             deterministic, block_n, block_k, group_m, num_warps, num_stages, use_tma, persistent, decode):
     _check_tile(gated, align.block_m, block_n, block_k, num_warps, num_stages)
     num_n = triton.cdiv(n, block_n)
-    _gluon_moe_w4a16_kernel[_grid(align, num_n, persistent, x.device)](
-        x, codes, _weight_desc(codes, use_tma, block_n, block_k), w_sf, dec, topk_w, out,
+    _gluon_moe_w4a16_kernel[moe_grid(align.max_blocks, num_n, persistent, x.device)](
+        x, codes, weight_desc(codes, use_tma, block_n, block_k), w_sf, dec, topk_w, out,
         align.sorted_ids, align.expert_ids, align.num_padded,
         align.num_routes, n, k, align.top_k, align.max_blocks,
         x.stride(0), stride_we, stride_wn, w_sf.stride(0), w_sf.stride(1), out.stride(0),
         GATED=gated, ACTIVATION=activation, DETERMINISTIC=deterministic, USE_TMA=use_tma,
-        DECODE=_decode_mode(x.device, x.dtype, decode), PERSISTENT=persistent, STAGES=num_stages,
-        BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        DECODE=default_decode(x.device, x.dtype) if decode is None else decode, PERSISTENT=persistent,
+        STAGES=num_stages, BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         MMA_WARPS_M=num_warps // 2, num_warps=num_warps,
     )
 
 
 def gluon_moe_w4a16_gate_up(
     x, w13_codes, w13_scales, w13_dec, align: MoeAlignment, *,
-    activation: str = "silu", block_n: int = 64, block_k: int = 64, group_m: int = 8, num_warps: int = 4,
-    num_stages: int = 2, use_tma: bool = False, fast_decode: bool = True, stream_weights: bool = False,
-    persistent: bool = False, decode: int | None = None, out=None,
+    block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int, activation: str = "silu",
+    use_tma: bool = False, fast_decode: bool = True, stream_weights: bool = False, persistent: bool = False,
+    decode: int | None = None, out=None,
 ):
     """Gluon twin of :func:`.moe_w4a16.moe_w4a16_gate_up`: ``act(x @ w13[e, :I]^T) * (x @ w13[e, I:]^T)`` per
     route → intermediate ``[R, I]`` x.dtype.
@@ -443,9 +347,7 @@ def gluon_moe_w4a16_gate_up(
     and ignored (Gluon always decodes with inline PTX; ``decode`` picks cvt vs the portable table, default by GPU).
     """
     require_gluon("gluon_moe_w4a16_gate_up")
-    from .moe_w4a16 import check_gate_up_inputs
-
-    w_sf, h, i, r, out = check_gate_up_inputs(x, w13_codes, w13_scales, w13_dec, align, activation, out)
+    w_sf, h, i, r, out = check_w4a16_gate_up_inputs(x, w13_codes, w13_scales, w13_dec, align, activation, out)
     if r == 0:
         return out
     # The TMA view is [E * 2I, H/2]: gate rows at e*2I + n, up rows at e*2I + I + n (the kernel's NB * N rows).
@@ -458,16 +360,15 @@ def gluon_moe_w4a16_gate_up(
 
 def gluon_moe_w4a16_down(
     inter, w2_codes, w2_scales, w2_dec, topk_weights, align: MoeAlignment, out, *,
-    deterministic: bool = False, block_n: int = 128, block_k: int = 64, group_m: int = 8, num_warps: int = 4,
-    num_stages: int = 2, use_tma: bool = False, fast_decode: bool = True, stream_weights: bool = False,
-    persistent: bool = False, decode: int | None = None,
+    block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int, deterministic: bool = False,
+    use_tma: bool = False, fast_decode: bool = True, stream_weights: bool = False, persistent: bool = False,
+    decode: int | None = None,
 ):
     """Gluon twin of :func:`.moe_w4a16.moe_w4a16_down`: ``topk_weight * (inter[route] @ w2[e]^T)`` summed into
     the zeroed fp32 ``out`` ``[T, H]`` (atomics) or, ``deterministic``, the per-route ``[R, H]``."""
     require_gluon("gluon_moe_w4a16_down")
-    from .moe_w4a16 import check_down_inputs
-
-    w_sf, h, i, r = check_down_inputs(inter, w2_codes, w2_scales, w2_dec, topk_weights, align, out, deterministic)
+    w_sf, h, i, r = check_w4a16_down_inputs(inter, w2_codes, w2_scales, w2_dec, topk_weights, align, out,
+                                            deterministic)
     if r == 0:
         return out
     _launch(inter, w2_codes, w_sf, w2_dec, topk_weights.contiguous(), out, align, h, i, w2_codes.stride(0),

@@ -26,7 +26,7 @@ the gate_up input is the layer input quantized once per token with ``a13_enc``
                                    apply alpha and the routing weight and issue the atomics.
 
 ``DECODE``: instead of the block-scaled MMA, the mma warps decode both operands exactly (e2m1 × e4m3 → bf16:
-at most 6 significant bits, exact; the portable lop3/prmt table of :data:`.gluon_gemv.E2M1_ASM`) and run bf16
+at most 6 significant bits, exact; the portable lop3/prmt table of :data:`.gluon_common.E2M1_ASM`) and run bf16
 ``mma_v2`` (products exact in fp32).  That is the path the H200 runs (the block-scaled MMA does not compile for
 sm_90); it is an emulation, not representative for speed.
 
@@ -43,10 +43,17 @@ import triton
 import triton.language as tl
 
 from .act_quant import quantize_blocks_nvfp4
+from .common import SM120_MAX_SMEM_BYTES
+from .gluon_common import DECODE_PORTABLE, codes_desc_type, divisible_args, moe_grid, weight_desc
 from .gluon_compat import HAS_GLUON, ampere, gl, gluon, hopper, mbarrier_expect, require_gluon, tma_async_load
-from .gluon_moe_w4a16 import _grid, _weight_desc, codes_desc_type, divisible_args
 from .moe_align import MoeAlignment
-from .moe_w4a16 import gated_activation_f32
+from .moe_common import (
+    ALIGN_SIGNATURE,
+    check_enc,
+    check_w4a4_down_inputs,
+    check_w4a4_gate_up_inputs,
+    gated_activation_f32,
+)
 
 LOADER_WARPS = 1
 LOADER_REGS = 96  # the activation gather (always pointer loads) in 32-row chunks, plus a few scalars
@@ -54,13 +61,11 @@ LOADER_REGS_PTR = 112  # also the weight codes by pointer loads
 EPILOGUE_WARPS = 4  # the persistent down GEMM's separate epilogue partition
 EPILOGUE_REGS = 128  # a [64, 64] fp32 tile over 4 warps (32 values per thread) with its addresses
 ROW_CHUNK = 32  # rows per pointer-load chunk in the loader: 2 KB of codes per warp-wide load
-SMEM_LIMIT = 99 * 1024  # aot.SM120_MAX_SMEM_BYTES
 
-_COMMON = {"sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32"}
 GLUON_MOE_W4A4_SIGNATURE = {
     "a_ptr": "*u8", "a_sf_ptr": "*u8", "w_ptr": "*u8", "w_desc": "*u8", "w_sf_ptr": "*u8", "w_dec_ptr": "*fp32",
     "a_enc_ptr": "*fp32", "q_enc_ptr": "*fp32", "topk_w_ptr": "*fp32", "out_ptr": "*u8", "out_sf_ptr": "*u8",
-    **_COMMON,
+    **ALIGN_SIGNATURE,
     "R": "i32", "N": "i32", "K": "i32", "top_k": "i32", "max_blocks": "i32",
     "stride_am": "i32", "stride_asm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_wse": "i32",
     "stride_wsn": "i32", "stride_om": "i32", "stride_osm": "i32",
@@ -97,8 +102,7 @@ def smem_bytes(gated: bool, block_m: int, block_n: int, block_k: int, stages: in
 
 
 if HAS_GLUON:
-    from .gluon_gemv import DECODE_PORTABLE
-    from .gluon_moe_w4a16 import _decode_tile, _tile_coords, _tile_range, down_epilogue
+    from .gluon_common import decode_tile, down_epilogue, tile_coords, tile_range
 
     # ---- loader: weight codes (TMA or pointers), weight scales, gathered activation codes + scales ----------
     @gluon.jit
@@ -122,10 +126,10 @@ if HAS_GLUON:
         ks = gl.arange(0, G, layout=gl.SliceLayout(0, SL))
         num_n = gl.cdiv(N, BLOCK_N)
         num_padded = gl.load(num_padded_ptr)
-        first, end, step = _tile_range(num_padded_ptr, max_blocks, num_n, BLOCK_M, PERSISTENT)
+        first, end, step = tile_range(num_padded_ptr, max_blocks, num_n, BLOCK_M, PERSISTENT)
         it = 0
         for tile in range(first, end, step):
-            pid_m, pid_n = _tile_coords(tile, max_blocks, num_n, PERSISTENT, GROUP_M)
+            pid_m, pid_n = tile_coords(tile, max_blocks, num_n, PERSISTENT, GROUP_M)
             if pid_m * BLOCK_M < num_padded:
                 e = gl.load(expert_ids_ptr + pid_m).to(gl.int64)
                 n0 = pid_n * BLOCK_N
@@ -185,7 +189,7 @@ if HAS_GLUON:
         LC: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (2 * G), 2 * G], [WARPS, 1], [1, 0])
         codes = gl.convert_layout(codes_slot.load(LC).reshape([BLOCK_R, G, 8]), L3)
         sf = sf_slot.load(gl.SliceLayout(2, L3)).to(gl.float8e4nv, bitcast=True).to(gl.bfloat16)
-        return _decode_tile(codes, sf, DECODE_PORTABLE_C, False, gl.bfloat16, BLOCK_R, BLOCK_K)
+        return decode_tile(codes, sf, DECODE_PORTABLE_C, False, gl.bfloat16, BLOCK_R, BLOCK_K)
 
     @gluon.jit
     def _slot_mma(a_smem, asf_smem, w_smem, wsf_smem, s, j, acc, DECODE: gl.constexpr, NB: gl.constexpr,
@@ -228,11 +232,11 @@ if HAS_GLUON:
         MMA: gl.constexpr = scaled_layout("acc", BLOCK_M, BLOCK_N, BLOCK_K, MMA_WARPS_M, WARPS_N)
         num_n = gl.cdiv(N, BLOCK_N)
         num_padded = gl.load(num_padded_ptr)
-        first, end, step = _tile_range(num_padded_ptr, max_blocks, num_n, BLOCK_M, PERSISTENT)
+        first, end, step = tile_range(num_padded_ptr, max_blocks, num_n, BLOCK_M, PERSISTENT)
         it = 0
         tc = 0  # tiles handed to the epilogue warps
         for tile in range(first, end, step):
-            pid_m, pid_n = _tile_coords(tile, max_blocks, num_n, PERSISTENT, GROUP_M)
+            pid_m, pid_n = tile_coords(tile, max_blocks, num_n, PERSISTENT, GROUP_M)
             if pid_m * BLOCK_M < num_padded:
                 acc0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA)
                 acc1 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA)
@@ -283,10 +287,10 @@ if HAS_GLUON:
         EL: gl.constexpr = gl.BlockedLayout([1, 4], [128 // BLOCK_N, BLOCK_N // 4], [WARPS, 1], [1, 0])
         num_n = gl.cdiv(N, BLOCK_N)
         num_padded = gl.load(num_padded_ptr)
-        first, end, step = _tile_range(num_padded_ptr, max_blocks, num_n, BLOCK_M, PERSISTENT)
+        first, end, step = tile_range(num_padded_ptr, max_blocks, num_n, BLOCK_M, PERSISTENT)
         tc = 0
         for tile in range(first, end, step):
-            pid_m, pid_n = _tile_coords(tile, max_blocks, num_n, PERSISTENT, GROUP_M)
+            pid_m, pid_n = tile_coords(tile, max_blocks, num_n, PERSISTENT, GROUP_M)
             if pid_m * BLOCK_M < num_padded:
                 ampere.mbarrier.wait(acc_ready, tc & 1)
                 acc = acc_smem.load(EL)
@@ -427,9 +431,9 @@ def _check_tile(gated: bool, block_m: int, block_n: int, block_k: int, num_warps
         raise ValueError(f"epilogue_warps: 0, or {EPILOGUE_WARPS} for the persistent down GEMM, got {epilogue_warps} "
                          f"({'gate_up' if gated else 'down'}, persistent={persistent})")
     need = smem_bytes(gated, block_m, block_n, block_k, num_stages, epilogue_warps)
-    if need > SMEM_LIMIT - 8192:  # room for barriers and the epilogue's layout-conversion scratch
+    if need > SM120_MAX_SMEM_BYTES - 8192:  # room for barriers and the epilogue's layout-conversion scratch
         raise ValueError(f"tile: {num_stages} stages of [{block_m}+{block_n}, {block_k}] need {need} B of shared "
-                         f"memory (sm_120 has {SMEM_LIMIT} B per block); use fewer stages or a smaller tile")
+                         f"memory (sm_120 has {SM120_MAX_SMEM_BYTES} B per block); use fewer stages or a smaller tile")
 
 
 def default_decode(device) -> bool:
@@ -439,54 +443,45 @@ def default_decode(device) -> bool:
     return torch.cuda.get_device_capability(device)[0] != 12
 
 
-def _default_tma(codes, block_k: int) -> bool:
-    k = 2 * codes.shape[2]
-    return k % 256 == 0 and k % block_k == 0 and codes.is_contiguous() and codes.data_ptr() % 16 == 0
-
-
 def _launch(a, a_sf, codes, w_sf, dec, a_enc, q_enc, topk_w, out, out_sf, out_sf_stride, align, n, k, *, gated,
             activation, deterministic, block_n, block_k, group_m, num_warps, num_stages, use_tma, persistent,
             decode, epilogue_warps=0):
     _check_tile(gated, align.block_m, block_n, block_k, num_warps, num_stages, persistent, epilogue_warps)
-    if use_tma is None:
-        use_tma = _default_tma(codes, block_k)
     num_n = triton.cdiv(n, block_n)
-    _gluon_moe_w4a4_kernel[_grid(align, num_n, persistent, a.device)](
-        a, a_sf, codes, _weight_desc(codes, use_tma, block_n, block_k), w_sf, dec, a_enc, q_enc, topk_w, out, out_sf,
+    _gluon_moe_w4a4_kernel[moe_grid(align.max_blocks, num_n, persistent, a.device)](
+        a, a_sf, codes, weight_desc(codes, use_tma, block_n, block_k), w_sf, dec, a_enc, q_enc, topk_w, out, out_sf,
         align.sorted_ids, align.expert_ids, align.num_padded,
         align.num_routes, n, k, align.top_k, align.max_blocks,
         a.stride(0), a_sf.stride(0), codes.stride(0), codes.stride(1), w_sf.stride(0), w_sf.stride(1),
         out.stride(0), out_sf_stride,
         GATED=gated, ACTIVATION=activation, DETERMINISTIC=deterministic, USE_TMA=use_tma,
         DECODE=default_decode(a.device) if decode is None else bool(decode), PERSISTENT=persistent,
-        EPILOGUE_WARPS=epilogue_warps, STAGES=num_stages, BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        MMA_WARPS_M=num_warps // 2, num_warps=num_warps,
+        EPILOGUE_WARPS=epilogue_warps, STAGES=num_stages, BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP_M=group_m, MMA_WARPS_M=num_warps // 2, num_warps=num_warps,
     )
 
 
 def gluon_moe_w4a4_gate_up(
     a_codes, a_scales, w13_codes, w13_scales, w13_dec, a13_enc, a2_enc, align: MoeAlignment, *,
-    activation: str = "silu", decode: bool | None = None, block_n: int = 64, block_k: int = 128, group_m: int = 8,
-    num_warps: int = 4, num_stages: int = 3, out_codes=None, out_scales=None, native_e4m3: bool | None = None,
-    use_tma: bool | None = None, persistent: bool = False,
+    block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int, activation: str = "silu",
+    decode: bool | None = None, out_codes=None, out_scales=None, native_e4m3: bool | None = None,
+    use_tma: bool = False, persistent: bool = False,
 ):
     """Gluon twin of :func:`.moe_w4a4.moe_w4a4_gate_up`: ``quant_a2(act(gate) * up)`` per route →
     ``(codes [R, I/2] u8, scales [R, I/16] u8)``.
 
     ``decode``: None = the block-scaled MMA on sm_120, the exact decode + bf16 ``mma_v2`` elsewhere.
-    ``use_tma``: None = TMA for the weight codes when K % 256 == 0.  ``num_warps``: the mma warps (4 or 8; the
-    loader warp comes on top).  ``native_e4m3`` is accepted for the Triton kwargs: Gluon always runs on a GPU,
-    where the fp8 convert rounds to nearest even.
+    ``use_tma``: the weight codes by TMA (contiguous, 16-byte aligned codes with K % block_k == 0).
+    ``num_warps``: the mma warps (4 or 8; the loader warp comes on top).  ``native_e4m3`` is accepted for the
+    Triton kwargs: Gluon always runs on a GPU, where the fp8 convert rounds to nearest even.
     """
     require_gluon("gluon_moe_w4a4_gate_up")
     import torch
 
-    from .moe_w4a4 import _check_enc, check_gate_up_inputs
-
-    w_sf, h, i, r, out_codes, out_scales = check_gate_up_inputs(
+    w_sf, h, i, r, out_codes, out_scales = check_w4a4_gate_up_inputs(
         a_codes, a_scales, w13_codes, w13_scales, w13_dec, align, activation, out_codes, out_scales)
-    a13 = _check_enc("a13_enc", a13_enc)
-    a2 = _check_enc("a2_enc", a2_enc)
+    a13 = check_enc("a13_enc", a13_enc)
+    a2 = check_enc("a2_enc", a2_enc)
     if r == 0:
         return out_codes, out_scales
     # The TMA view is [E * 2I, H/2]: gate rows at e*2I + n, up rows at e*2I + I + n (the kernel's NB * N rows).
@@ -499,9 +494,8 @@ def gluon_moe_w4a4_gate_up(
 
 def gluon_moe_w4a4_down(
     a_codes, a_scales, w2_codes, w2_scales, w2_dec, a2_enc, topk_weights, align: MoeAlignment, out, *,
-    deterministic: bool = False, decode: bool | None = None, block_n: int = 64, block_k: int = 128,
-    group_m: int = 8, num_warps: int = 4, num_stages: int = 3, use_tma: bool | None = None,
-    persistent: bool = False, epilogue_warps: int = 0,
+    block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int, deterministic: bool = False,
+    decode: bool | None = None, use_tma: bool = False, persistent: bool = False, epilogue_warps: int = 0,
 ):
     """Gluon twin of :func:`.moe_w4a4.moe_w4a4_down`: ``topk_weight * (w2_dec[e] / a2_enc) * (inter[route] @
     w2[e]^T)`` summed into the zeroed fp32 ``out`` ``[T, H]`` (atomics) or, ``deterministic``, the per-route
@@ -511,11 +505,9 @@ def gluon_moe_w4a4_down(
     require_gluon("gluon_moe_w4a4_down")
     import torch
 
-    from .moe_w4a4 import _check_enc, check_down_inputs
-
-    w_sf, h, i, r = check_down_inputs(a_codes, a_scales, w2_codes, w2_scales, w2_dec, topk_weights, align, out,
-                                      deterministic)
-    a2 = _check_enc("a2_enc", a2_enc)
+    w_sf, h, i, r = check_w4a4_down_inputs(a_codes, a_scales, w2_codes, w2_scales, w2_dec, topk_weights, align,
+                                           out, deterministic)
+    a2 = check_enc("a2_enc", a2_enc)
     if r == 0:
         return out
     _launch(a_codes, a_scales.view(torch.uint8), w2_codes, w_sf, w2_dec, a2, a2, topk_weights.contiguous(), out,

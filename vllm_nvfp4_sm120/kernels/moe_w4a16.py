@@ -13,7 +13,7 @@ read the experts' weights as vLLM loads them, untouched:
 Weights are decoded to ``e2m1 * e4m3`` (exact in bf16/fp16) and multiplied with fp32 accumulation; each expert's
 decode global is applied once in the epilogue, as the torch reference does.
 
-Switches (all constexpr, all chosen by ``dispatch/moe.py``):
+Tiles and switches (all constexpr, all chosen by ``dispatch/moe.py``):
   ``FAST_DECODE``  lop3/prmt inline-PTX e2m1 decode (GPU only) instead of the pure-``tl`` one (interpreter).
   ``USE_TMA``      packed weight tiles through a TMA tensor descriptor (sm_90+, needs K % 32 == 0 and contiguous
                    codes; the dispatch enables it for K % 256 == 0) instead of pointer loads.
@@ -27,16 +27,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..format.reference import ACTIVATIONS
 from .fp4_decode import dequant_rows_16bit
 from .moe_align import MoeAlignment, moe_block_rows, moe_route_store
+from .moe_common import (  # noqa: F401  (gated_activation_f32 is also this module's API)
+    ALIGN_SIGNATURE,
+    check_w4a16_down_inputs,
+    check_w4a16_gate_up_inputs,
+    gated_activation_f32,
+)
 
-
-_COMMON = {
-    "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32",
-}
 MOE_W4A16_GATE_UP_SIGNATURE = {
-    "x_ptr": "*bf16", "w_ptr": "*u8", "w_desc": "*u8", "w_sf_ptr": "*u8", "w_dec_ptr": "*fp32", "out_ptr": "*bf16", **_COMMON,
+    "x_ptr": "*bf16", "w_ptr": "*u8", "w_desc": "*u8", "w_sf_ptr": "*u8", "w_dec_ptr": "*fp32", "out_ptr": "*bf16",
+    **ALIGN_SIGNATURE,
     "R": "i32", "I": "i32", "K": "i32", "top_k": "i32", "max_blocks": "i32",
     "stride_xm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_wse": "i32", "stride_wsn": "i32",
     "stride_om": "i32",
@@ -46,7 +48,7 @@ MOE_W4A16_GATE_UP_SIGNATURE = {
 }
 MOE_W4A16_DOWN_SIGNATURE = {
     "a_ptr": "*bf16", "w_ptr": "*u8", "w_desc": "*u8", "w_sf_ptr": "*u8", "w_dec_ptr": "*fp32", "topk_w_ptr": "*fp32",
-    "out_ptr": "*fp32", **_COMMON,
+    "out_ptr": "*fp32", **ALIGN_SIGNATURE,
     "R": "i32", "N": "i32", "K": "i32", "top_k": "i32", "max_blocks": "i32",
     "stride_am": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_wse": "i32", "stride_wsn": "i32",
     "stride_om": "i32",
@@ -65,18 +67,6 @@ MOE_W4A16_DOWN_DIVISIBLE = [k for k, v in MOE_W4A16_DOWN_SIGNATURE.items() if v.
 def tma_signature(signature: dict, block_n: int, block_k: int) -> dict:
     """The signature with ``w_desc`` the TMA descriptor the launcher passes when ``USE_TMA``."""
     return signature | {"w_desc": f"tensordesc<u8[{block_n},{block_k // 2}]>"}
-
-
-@triton.jit
-def gated_activation_f32(gate, up, ACTIVATION: tl.constexpr):
-    """``act(gate) * up`` in fp32: SiLU, or GELU with the tanh approximation (tanh(y) = 1 - 2 / (e^2y + 1))."""
-    if ACTIVATION == "silu":
-        g = gate / (1.0 + tl.exp(-gate))
-    else:
-        tl.static_assert(ACTIVATION == "gelu_tanh", "ACTIVATION must be 'silu' or 'gelu_tanh'")
-        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        g = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
-    return g * up
 
 
 @triton.jit
@@ -213,26 +203,6 @@ def _moe_w4a16_down_kernel(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _check_bank(name: str, codes, scales, dec, rows: int | None, k: int | None):
-    """An expert bank: codes [E, rows, K/2] u8, scales [E, rows, K/16] e4m3, dec [E] fp32; returns (E, rows, K)."""
-    import torch
-
-    from ..format.checks import as_e4m3, check_tensor
-
-    check_tensor(f"{name}_codes", codes, dtype=torch.uint8, ndim=3, last_dim_contiguous=True)
-    e, n, kh = codes.shape
-    if (rows is not None and n != rows) or (k is not None and 2 * kh != k):
-        raise ValueError(f"{name}_codes: expected shape [E, {rows if rows is not None else '*'}, "
-                         f"{k // 2 if k is not None else '*'}], got {list(codes.shape)}")
-    kk = 2 * kh
-    if kk % 16:
-        raise ValueError(f"{name}_codes: K = {kk} must be a multiple of 16 (one e4m3 scale per 16 weights)")
-    scales = as_e4m3(f"{name}_scales", scales)
-    check_tensor(f"{name}_scales", scales, shape=[e, n, kk // 16], last_dim_contiguous=True)
-    check_tensor(f"{name}_dec", dec, dtype=torch.float32, shape=[e])
-    return scales.view(torch.uint8), e, n, kk
-
-
 def _weight_arg(codes, use_tma: bool, block_n: int, block_k: int):
     """``w_desc``: a TMA descriptor over the codes' [E * rows, K/2] view, or the codes again (unused)."""
     if not use_tma:
@@ -248,14 +218,14 @@ def _weight_arg(codes, use_tma: bool, block_n: int, block_k: int):
 
 def moe_w4a16_gate_up(
     x, w13_codes, w13_scales, w13_dec, align: MoeAlignment, *,
-    activation: str = "silu", block_n: int = 64, block_k: int = 128, group_m: int = 8, num_warps: int = 4,
-    num_stages: int = 3, use_tma: bool = False, fast_decode: bool = False, stream_weights: bool = False, out=None,
+    block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int, activation: str = "silu",
+    use_tma: bool = False, fast_decode: bool = False, stream_weights: bool = False, out=None,
 ):
     """``act(x[token] @ w13[e, :I]^T) * (x[token] @ w13[e, I:]^T)`` per route → intermediate ``[R, I]`` x.dtype.
 
     Rows of routes that no local expert takes are left unwritten (the down GEMM never reads them).
     """
-    w_sf, h, i, r, out = check_gate_up_inputs(x, w13_codes, w13_scales, w13_dec, align, activation, out)
+    w_sf, h, i, r, out = check_w4a16_gate_up_inputs(x, w13_codes, w13_scales, w13_dec, align, activation, out)
     if r == 0:
         return out
     grid = (align.max_blocks * triton.cdiv(i, block_n),)
@@ -271,64 +241,18 @@ def moe_w4a16_gate_up(
     return out
 
 
-def check_gate_up_bank(w13_codes, w13_scales, w13_dec, h: int, activation: str, align, t: int, x_name: str):
-    """The checks every gate_up launcher shares (W4A16 and W4A4, Triton and Gluon): the w13 bank for hidden size
-    ``h``, the activation, and an alignment built for ``t`` tokens of ``x_name``.  Returns ``(w13 scales as e4m3,
-    I, routes)``."""
-    w_sf, _, two_i, _ = _check_bank("w13", w13_codes, w13_scales, w13_dec, None, h)
-    if two_i % 32:
-        raise ValueError(f"w13_codes: 2I = {two_i} rows must be gate and up halves of I % 16 == 0")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-    r = align.num_routes
-    if r != t * align.top_k:
-        raise ValueError(f"align: built for {r} routes, {x_name} has {t} tokens x top_k {align.top_k}")
-    return w_sf, two_i // 2, r
-
-
-def check_gate_up_inputs(x, w13_codes, w13_scales, w13_dec, align, activation, out):
-    """The W4A16 gate_up launchers' argument checks (Triton and Gluon); allocates the intermediate if not given.
-    Returns ``(w13 scales as e4m3, H, I, routes, out)``."""
-    import torch
-
-    from ..format.checks import ACT_DTYPES, check_tensor
-
-    check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
-    t, h = x.shape
-    w_sf, i, r = check_gate_up_bank(w13_codes, w13_scales, w13_dec, h, activation, align, t, "x")
-    if out is None:
-        out = torch.empty((r, i), dtype=x.dtype, device=x.device)
-    check_tensor("out", out, dtype=x.dtype, shape=[r, i], last_dim_contiguous=True)
-    return w_sf, h, i, r, out
-
-
-def check_down_inputs(inter, w2_codes, w2_scales, w2_dec, topk_weights, align, out, deterministic):
-    """The down GEMM launchers' argument checks (Triton and Gluon): ``(w2 scales as e4m3, H, I, routes)``."""
-    import torch
-
-    from ..format.checks import ACT_DTYPES, check_tensor
-
-    r = align.num_routes
-    check_tensor("inter", inter, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
-    w_sf, _, h, i = _check_bank("w2", w2_codes, w2_scales, w2_dec, None, inter.shape[1])
-    check_tensor("inter", inter, shape=[r, i])
-    check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=[r // max(align.top_k, 1), align.top_k])
-    rows = r if deterministic else r // max(align.top_k, 1)
-    check_tensor("out", out, dtype=torch.float32, shape=[rows, h], last_dim_contiguous=True)
-    return w_sf, h, i, r
-
-
 def moe_w4a16_down(
     inter, w2_codes, w2_scales, w2_dec, topk_weights, align: MoeAlignment, out, *,
-    deterministic: bool = False, block_n: int = 64, block_k: int = 128, group_m: int = 8, num_warps: int = 4,
-    num_stages: int = 3, use_tma: bool = False, fast_decode: bool = False, stream_weights: bool = False,
+    block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int, deterministic: bool = False,
+    use_tma: bool = False, fast_decode: bool = False, stream_weights: bool = False,
 ):
     """``topk_weight * (inter[route] @ w2[e]^T)`` summed into ``out``.
 
     ``out`` is fp32 and zeroed by the caller: ``[T, H]`` (atomic adds) or, with ``deterministic``, the per-route
     buffer ``[R, H]`` that :func:`.moe_align.moe_sum` reduces in slot order.
     """
-    w_sf, h, i, r = check_down_inputs(inter, w2_codes, w2_scales, w2_dec, topk_weights, align, out, deterministic)
+    w_sf, h, i, r = check_w4a16_down_inputs(inter, w2_codes, w2_scales, w2_dec, topk_weights, align, out,
+                                            deterministic)
     if r == 0:
         return out
     grid = (align.max_blocks * triton.cdiv(h, block_n),)

@@ -29,16 +29,21 @@ import triton.language as tl
 from .act_quant import has_native_e2m1, quantize_act_nvfp4, quantize_blocks_nvfp4
 from .fp4_decode import expand_scales_f32, unpack_rows_f32
 from .moe_align import MoeAlignment, moe_block_rows, moe_route_store
-from .moe_w4a16 import _check_bank, check_gate_up_bank, gated_activation_f32
+from .moe_common import (
+    ALIGN_SIGNATURE,
+    check_enc,
+    check_w4a4_down_inputs,
+    check_w4a4_gate_up_inputs,
+    gated_activation_f32,
+)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Grouped FP4 x FP4 GEMMs
 # ---------------------------------------------------------------------------------------------------------------
 
-_COMMON = {"sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32"}
 MOE_W4A4_GATE_UP_SIGNATURE = {
     "a_ptr": "*u8", "a_sf_ptr": "*u8", "w_ptr": "*u8", "w_sf_ptr": "*u8", "w_dec_ptr": "*fp32",
-    "a13_enc_ptr": "*fp32", "a2_enc_ptr": "*fp32", "out_ptr": "*u8", "out_sf_ptr": "*u8", **_COMMON,
+    "a13_enc_ptr": "*fp32", "a2_enc_ptr": "*fp32", "out_ptr": "*u8", "out_sf_ptr": "*u8", **ALIGN_SIGNATURE,
     "R": "i32", "I": "i32", "K": "i32", "top_k": "i32", "max_blocks": "i32",
     "stride_am": "i32", "stride_asm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_wse": "i32",
     "stride_wsn": "i32", "stride_om": "i32", "stride_osm": "i32",
@@ -48,7 +53,7 @@ MOE_W4A4_GATE_UP_SIGNATURE = {
 }
 MOE_W4A4_DOWN_SIGNATURE = {
     "a_ptr": "*u8", "a_sf_ptr": "*u8", "w_ptr": "*u8", "w_sf_ptr": "*u8", "w_dec_ptr": "*fp32",
-    "a2_enc_ptr": "*fp32", "topk_w_ptr": "*fp32", "out_ptr": "*fp32", **_COMMON,
+    "a2_enc_ptr": "*fp32", "topk_w_ptr": "*fp32", "out_ptr": "*fp32", **ALIGN_SIGNATURE,
     "R": "i32", "N": "i32", "K": "i32", "top_k": "i32", "max_blocks": "i32",
     "stride_am": "i32", "stride_asm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_wse": "i32",
     "stride_wsn": "i32", "stride_om": "i32",
@@ -192,73 +197,19 @@ def _moe_w4a4_down_kernel(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _check_enc(name: str, enc):
-    import torch
-
-    from ..format.checks import check_tensor
-
-    check_tensor(name, enc, dtype=torch.float32)
-    if enc.numel() != 1:
-        raise ValueError(f"{name}: expected one fp32 encode scale (a device tensor), got shape {list(enc.shape)}")
-    return enc.reshape(1)
-
-
-def moe_quant_input(x, a13_enc):
+def moe_quant_input(x, a13_enc, *, block_t: int, block_k: int, num_warps: int):
     """The gate_up input: ``x [T, H]`` → ``(codes [T, H/2] u8, scales [T, H/16] e4m3)``, one row per token.
 
-    Just :func:`.act_quant.quantize_act_nvfp4` with linear scales (the name the MoE flow calls).
+    Just :func:`.act_quant.quantize_act_nvfp4` with linear scales (the name the MoE flow calls), on its tile.
     """
-    return quantize_act_nvfp4(x, _check_enc("a13_enc", a13_enc))
-
-
-def check_gate_up_inputs(a_codes, a_scales, w13_codes, w13_scales, w13_dec, align, activation, out_codes,
-                         out_scales):
-    """The W4A4 gate_up launchers' argument checks (Triton and Gluon); allocates the FP4 intermediate if not given.
-
-    Returns ``(w13 scales as e4m3, H, I, routes, out_codes, out_scales)``.
-    """
-    import torch
-
-    from ..format.checks import check_tensor
-
-    check_tensor("a_codes", a_codes, dtype=torch.uint8, ndim=2, last_dim_contiguous=True)
-    t, hh = a_codes.shape
-    h = 2 * hh
-    check_tensor("a_scales", a_scales, dtype=(torch.uint8, torch.float8_e4m3fn), shape=[t, h // 16],
-                 last_dim_contiguous=True)
-    w_sf, i, r = check_gate_up_bank(w13_codes, w13_scales, w13_dec, h, activation, align, t, "a_codes")
-    if out_codes is None:
-        out_codes = torch.empty((r, i // 2), dtype=torch.uint8, device=a_codes.device)
-    if out_scales is None:
-        out_scales = torch.empty((r, i // 16), dtype=torch.uint8, device=a_codes.device)
-    check_tensor("out_codes", out_codes, dtype=torch.uint8, shape=[r, i // 2], last_dim_contiguous=True)
-    check_tensor("out_scales", out_scales, dtype=torch.uint8, shape=[r, i // 16], last_dim_contiguous=True)
-    return w_sf, h, i, r, out_codes, out_scales
-
-
-def check_down_inputs(a_codes, a_scales, w2_codes, w2_scales, w2_dec, topk_weights, align, out, deterministic):
-    """The W4A4 down launchers' argument checks (Triton and Gluon): ``(w2 scales as e4m3, H, I, routes)``."""
-    import torch
-
-    from ..format.checks import check_tensor
-
-    r = align.num_routes
-    check_tensor("a_codes", a_codes, dtype=torch.uint8, ndim=2, last_dim_contiguous=True)
-    i = 2 * a_codes.shape[1]
-    check_tensor("a_codes", a_codes, shape=[r, i // 2])
-    check_tensor("a_scales", a_scales, dtype=(torch.uint8, torch.float8_e4m3fn), shape=[r, i // 16],
-                 last_dim_contiguous=True)
-    w_sf, _, h, _ = _check_bank("w2", w2_codes, w2_scales, w2_dec, None, i)
-    check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=[r // max(align.top_k, 1), align.top_k])
-    rows = r if deterministic else r // max(align.top_k, 1)
-    check_tensor("out", out, dtype=torch.float32, shape=[rows, h], last_dim_contiguous=True)
-    return w_sf, h, i, r
+    return quantize_act_nvfp4(x, check_enc("a13_enc", a13_enc), block_t=block_t, block_k=block_k,
+                              num_warps=num_warps)
 
 
 def moe_w4a4_gate_up(
     a_codes, a_scales, w13_codes, w13_scales, w13_dec, a13_enc, a2_enc, align: MoeAlignment, *,
-    activation: str = "silu", decode: bool = False, block_n: int = 64, block_k: int = 128, group_m: int = 8,
-    num_warps: int = 4, num_stages: int = 3, out_codes=None, out_scales=None, native_e4m3: bool | None = None,
+    block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int, activation: str = "silu",
+    decode: bool = False, out_codes=None, out_scales=None, native_e4m3: bool | None = None,
     native_e2m1: bool | None = None,
 ):
     """NVFP4 intermediate per route: ``quant_a2(act(gate) * up)`` → ``(codes [R, I/2] u8, scales [R, I/16] u8)``.
@@ -274,7 +225,7 @@ def moe_w4a4_gate_up(
     if block_k < 64 or block_k % 64 or block_n % 16:
         raise ValueError(f"moe_w4a4_gate_up: block_k ({block_k}) must be a multiple of 64 (dot_scaled K >= 64) "
                          f"and block_n ({block_n}) a multiple of 16")
-    w_sf, h, i, r, out_codes, out_scales = check_gate_up_inputs(
+    w_sf, h, i, r, out_codes, out_scales = check_w4a4_gate_up_inputs(
         a_codes, a_scales, w13_codes, w13_scales, w13_dec, align, activation, out_codes, out_scales)
     if r == 0:
         return out_codes, out_scales
@@ -285,7 +236,7 @@ def moe_w4a4_gate_up(
     grid = (align.max_blocks * triton.cdiv(i, block_n),)
     _moe_w4a4_gate_up_kernel[grid](
         a_codes, a_scales.view(torch.uint8), w13_codes, w_sf, w13_dec,
-        _check_enc("a13_enc", a13_enc), _check_enc("a2_enc", a2_enc), out_codes, out_scales,
+        check_enc("a13_enc", a13_enc), check_enc("a2_enc", a2_enc), out_codes, out_scales,
         align.sorted_ids, align.expert_ids, align.num_padded,
         r, i, h, align.top_k, align.max_blocks,
         a_codes.stride(0), a_scales.stride(0), w13_codes.stride(0), w13_codes.stride(1), w_sf.stride(0),
@@ -299,8 +250,8 @@ def moe_w4a4_gate_up(
 
 def moe_w4a4_down(
     a_codes, a_scales, w2_codes, w2_scales, w2_dec, a2_enc, topk_weights, align: MoeAlignment, out, *,
-    deterministic: bool = False, decode: bool = False, block_n: int = 64, block_k: int = 128, group_m: int = 8,
-    num_warps: int = 4, num_stages: int = 3,
+    block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int, deterministic: bool = False,
+    decode: bool = False,
 ):
     """``topk_weight * (w2_dec[e] / a2_enc) * (inter_fp4[route] @ w2_fp4[e]^T)`` summed into fp32 ``out``.
 
@@ -310,13 +261,13 @@ def moe_w4a4_down(
 
     if block_k < 64 or block_k % 64:
         raise ValueError(f"moe_w4a4_down: block_k ({block_k}) must be a multiple of 64 (dot_scaled K >= 64)")
-    w_sf, h, i, r = check_down_inputs(a_codes, a_scales, w2_codes, w2_scales, w2_dec, topk_weights, align, out,
-                                      deterministic)
+    w_sf, h, i, r = check_w4a4_down_inputs(a_codes, a_scales, w2_codes, w2_scales, w2_dec, topk_weights, align,
+                                           out, deterministic)
     if r == 0:
         return out
     grid = (align.max_blocks * triton.cdiv(h, block_n),)
     _moe_w4a4_down_kernel[grid](
-        a_codes, a_scales.view(torch.uint8), w2_codes, w_sf, w2_dec, _check_enc("a2_enc", a2_enc),
+        a_codes, a_scales.view(torch.uint8), w2_codes, w_sf, w2_dec, check_enc("a2_enc", a2_enc),
         topk_weights.contiguous(), out,
         align.sorted_ids, align.expert_ids, align.num_padded,
         r, h, i, align.top_k, align.max_blocks,

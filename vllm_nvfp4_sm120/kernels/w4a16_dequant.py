@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .fp4_decode import e2m1x2_to_16bit, e4m3_to_f32
-from .w4a16_linear import _interpreting, check_linear_inputs, trivial_linear_output
+from .common import check_linear_inputs, interpreting, trivial_linear_output
 
 # One dequant program writes BLOCK_R x BLOCK_K outputs: with 4 warps each thread loads one 16-byte vector of codes
 # and stores 64 contiguous bytes, and a chunk of a few hundred rows still gives several programs per SM.
@@ -156,7 +156,7 @@ def dequantize_rows(codes, scales, w_dec_rows, dtype, out=None, *, fast_decode: 
         out = torch.empty((r, k), dtype=dtype, device=codes.device)
     check_tensor("out", out, dtype=dtype, shape=[r, k], last_dim_contiguous=True, device=codes.device)
     if fast_decode is None:
-        fast_decode = not _interpreting()
+        fast_decode = not interpreting()
     _launch_dequant(codes, scales.view(torch.uint8), w_dec_rows, out, fast_decode)
     return out
 
@@ -187,7 +187,7 @@ def w4a16_dequant_mm(
     if (done := trivial_linear_output(out, k, w_dec_rows, bias)) is not None:
         return done
     if fast_decode is None:
-        fast_decode = not _interpreting()
+        fast_decode = not interpreting()
     chunk_n = min(chunk_n, n)
     scratch = torch.empty((chunk_n, k), dtype=x.dtype, device=x.device)
     scales_u8 = w_scales.view(torch.uint8)

@@ -16,7 +16,7 @@ Two kernels:
   finish kernel sums **in split order**.  That two-pass reduction was chosen over fp32 atomics because it is
   deterministic (run to run and batch to batch), needs no zeroing pass before each call, and under CUDA graphs its
   workspace size depends only on (SPLIT_K, T, N); its extra traffic is ``SPLIT_K * T * N * 8`` bytes, a few percent
-  of the weight for the splits ``suggest_w4a16_config`` picks (and mostly L2-resident).
+  of the weight for the splits the dispatch picks (and mostly L2-resident).
 * ``_w4a16_gemm_kernel`` (T > 16, prefill): ``x [BM, BK] @ W^T [BK, BN]`` tiles in grouped order, the decoded
   weight tile reused by BM rows, pipelined loads of x and the packed weight.
 
@@ -27,18 +27,15 @@ Two kernels:
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-from .tile_order import grouped_tile
+from .common import check_linear_inputs, check_workspace, interpreting, trivial_linear_output
 from .fp4_decode import dequant_rows_16bit
+from .tile_order import grouped_tile
 
 # The MMA's token side: tl.dot needs every dimension >= 16, so the decode kernel pads T up to 16 with masked rows.
 GEMV_BLOCK_T = 16
-# The batch size up to which the decode kernel is the suggested choice.
-GEMV_MAX_T = 16
 
 # ---------------------------------------------------------------------------------------------------------------
 # Decode (small batch) kernel
@@ -242,90 +239,8 @@ def _w4a16_gemm_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Configurations
+# Launchers (tiles from dispatch/linear.py)
 # ---------------------------------------------------------------------------------------------------------------
-
-# Every (tile, warps, stages) the launchers are meant to run with; the dispatch table picks from these and the
-# compile tests check each for sm_120 (no local memory, shared memory within 99 KB).  Registers (sm_120 / sm_90,
-# Triton 3.8, bf16) are noted because several tiles sit near the 255 limit: a larger tile spills.
-W4A16_GEMV_CONFIGS = (
-    dict(block_n=32, block_k=256, num_warps=4, num_stages=4),  # 159 / 158 regs: small N, many programs
-    dict(block_n=64, block_k=256, num_warps=4, num_stages=4),  # 158 / 230 regs (sm_90: wgmma, A in registers)
-    dict(block_n=128, block_k=256, num_warps=8, num_stages=3),  # 157 / 211 regs: large N, fewest x re-reads
-)
-W4A16_GEMM_CONFIGS = (
-    # Mid-size batches (few 128-row tiles): small tiles fill the machine.  196 / 133 regs.
-    dict(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3, swap_ab=False),
-    # sm_120 prefill: mma.sync, every load pipelined (cp.async), 85 KB smem.  192 / 170 regs.
-    dict(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3, swap_ab=False),
-)
-# Hopper only (the H200 the proofs run on): the decoded weight is wgmma's register A operand, so it skips the
-# shared-memory round trip and the MMAs overlap the next tile's decode (warp_group_dot_wait pendings=1).
-# 214 regs on sm_90; on sm_120 the same tile spills (255 regs + 368 B stack), hence a separate list.
-W4A16_GEMM_CONFIGS_SM90 = (
-    dict(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=4, swap_ab=True),
-)
-
-
-def w4a16_configs(cc_major: int = 12) -> list[tuple[str, dict]]:
-    """Every (kernel, config) pair valid on compute capability ``cc_major``: ``("gemv", {...})`` / ``("gemm", {...})``.
-
-    sm_120 (the default) gets the tiles that compile there without spills within 99 KB of shared memory; sm_90
-    adds the Hopper-only GEMM tile.
-    """
-    gemm = W4A16_GEMM_CONFIGS + (W4A16_GEMM_CONFIGS_SM90 if cc_major == 9 else ())
-    return [("gemv", dict(c)) for c in W4A16_GEMV_CONFIGS] + [("gemm", dict(c)) for c in gemm]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Launchers
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def check_linear_inputs(fn: str, x, w_codes, w_scales, w_dec_rows, bias, out):
-    """The argument checks of every NVFP4 linear launcher (Triton, Gluon, dequant + cuBLAS):
-    ``(T, N, K, w_scales as e4m3, out)``, ``out`` allocated here when not given."""
-    import torch
-
-    from ..format.checks import ACT_DTYPES, as_e4m3, check_tensor
-
-    check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
-    t, k = x.shape
-    check_tensor("w_codes", w_codes, dtype=torch.uint8, ndim=2, last_dim_contiguous=True)
-    n = w_codes.shape[0]
-    if k % 16:
-        raise ValueError(f"{fn}: x: K = {k} must be a multiple of 16 (one e4m3 scale per 16 weights)")
-    check_tensor("w_codes", w_codes, shape=[n, k // 2])
-    w_scales = as_e4m3("w_scales", w_scales)
-    check_tensor("w_scales", w_scales, shape=[n, k // 16], last_dim_contiguous=True)
-    check_tensor("w_dec_rows", w_dec_rows, dtype=torch.float32, shape=[n])
-    if w_dec_rows.numel() > 1 and w_dec_rows.stride(0) != 1:
-        raise ValueError(f"w_dec_rows: must be contiguous, got stride {w_dec_rows.stride()}")
-    if bias is not None:
-        check_tensor("bias", bias, dtype=(torch.bfloat16, torch.float16, torch.float32), shape=[n])
-        if n > 1 and bias.stride(0) != 1:
-            raise ValueError(f"bias: must be contiguous, got stride {bias.stride()}")
-    for name, tensor in (("w_codes", w_codes), ("w_scales", w_scales), ("w_dec_rows", w_dec_rows), ("bias", bias)):
-        if tensor is not None and tensor.device != x.device:
-            raise ValueError(f"{name}: expected a tensor on {x.device} (where x is), got {tensor.device}")
-    if out is None:
-        out = torch.empty((t, n), dtype=x.dtype, device=x.device)
-    check_tensor("out", out, dtype=x.dtype, shape=[t, n], last_dim_contiguous=True, device=x.device)
-    return t, n, k, w_scales, out
-
-
-def trivial_linear_output(out, k: int, w_dec_rows, bias):
-    """What a linear launcher returns without launching, else None: T = 0 or N = 0 (the empty ``out``), K = 0
-    (the product is empty; only the bias remains)."""
-    if out.numel() == 0:
-        return out
-    if k == 0:
-        return out.zero_() if bias is None else out.copy_(bias.to(out.dtype).expand_as(out))
-    return None
 
 
 def w4a16_gemv(
@@ -335,20 +250,21 @@ def w4a16_gemv(
     w_dec_rows,
     bias=None,
     *,
-    block_n: int = 64,
-    block_k: int = 256,
-    split_k: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 4,
+    block_n: int,
+    block_k: int,
+    split_k: int,
+    num_warps: int,
+    num_stages: int,
     fast_decode: bool | None = None,
     out=None,
     workspace=None,
 ):
-    """``x [T, K] @ W^T * w_dec_rows (+ bias)`` with the decode kernel (meant for T <= 16; any T works).
+    """``x [T, K] @ W^T * w_dec_rows (+ bias)`` with the decode kernel (meant for small T; any T works).
 
-    ``split_k=None`` means no split (the dispatch table picks one from the shape and the SM count).  With ``split_k > 1`` the fp32 partials need
-    a workspace of ``split_k * T * N`` floats: pass ``workspace`` (any fp32 tensor with that many elements) to
-    reuse one, else it is allocated here (size from shapes only, fine under CUDA graph capture).
+    ``split_k`` (the dispatch picks it from the shape and the SM count) splits K into that many parts, at most;
+    with more than one the fp32 partials need a workspace of ``split_k * T * N`` floats: pass ``workspace`` (any
+    fp32 tensor with that many elements) to reuse one, else it is allocated here (size from shapes only, fine
+    under CUDA graph capture).
     ``fast_decode=None``: the inline-PTX decode on a GPU, the pure-``tl`` decode in the interpreter.
     """
     import torch
@@ -359,15 +275,13 @@ def w4a16_gemv(
     if (done := trivial_linear_output(out, k, w_dec_rows, bias)) is not None:
         return done
     if fast_decode is None:
-        fast_decode = not _interpreting()
-    if split_k is None:
-        split_k = 1  # the dispatch table (dispatch/linear.py) chooses the split from the shape and SM count
+        fast_decode = not interpreting()
     k_split = triton.cdiv(triton.cdiv(k, max(1, split_k)), block_k) * block_k
     split_k = triton.cdiv(k, k_split)  # drop empty splits
     if split_k > 1:
         if workspace is None:
             workspace = torch.empty(split_k * t * n, dtype=torch.float32, device=x.device)
-        check_tensor_ws(workspace, split_k * t * n, x.device)
+        check_workspace(workspace, split_k * t * n, x.device)
     grid = (triton.cdiv(n, block_n), split_k, triton.cdiv(t, GEMV_BLOCK_T))
     _w4a16_gemv_kernel[grid](
         x, w_codes, w_scales.view(torch.uint8), w_dec_rows, bias if bias is not None else out, out,
@@ -387,19 +301,6 @@ def w4a16_gemv(
     return out
 
 
-def check_tensor_ws(workspace, numel: int, device) -> None:
-    import torch
-
-    from ..format.checks import check_tensor
-
-    check_tensor("workspace", workspace, dtype=torch.float32, device=device)
-    if workspace.numel() < numel or not workspace.is_contiguous():
-        raise ValueError(
-            f"workspace: expected a contiguous fp32 tensor of >= {numel} elements (split_k * T * N), "
-            f"got shape {list(workspace.shape)}"
-        )
-
-
 def w4a16_gemm(
     x,
     w_codes,
@@ -407,17 +308,17 @@ def w4a16_gemm(
     w_dec_rows,
     bias=None,
     *,
-    block_m: int = 128,
-    block_n: int = 128,
-    block_k: int = 128,
-    group_m: int = 8,
-    num_warps: int = 8,
-    num_stages: int = 3,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    group_m: int,
+    num_warps: int,
+    num_stages: int,
     swap_ab: bool = False,
     fast_decode: bool | None = None,
     out=None,
 ):
-    """``x [T, K] @ W^T * w_dec_rows (+ bias)`` with the prefill GEMM (meant for T > 16; any T works).
+    """``x [T, K] @ W^T * w_dec_rows (+ bias)`` with the prefill GEMM (meant for T above the decode sizes).
 
     ``swap_ab`` computes the transposed tile ``W [BN, BK] @ x^T`` so the decoded weight is the MMA's A operand
     (on sm_90 wgmma takes it straight from registers).
@@ -432,7 +333,7 @@ def w4a16_gemm(
     if (done := trivial_linear_output(out, k, w_dec_rows, bias)) is not None:
         return done
     if fast_decode is None:
-        fast_decode = not _interpreting()
+        fast_decode = not interpreting()
     grid = (triton.cdiv(t, block_m) * triton.cdiv(n, block_n),)
     _w4a16_gemm_kernel[grid](
         x, w_codes, w_scales.view(torch.uint8), w_dec_rows, bias if bias is not None else out, out,

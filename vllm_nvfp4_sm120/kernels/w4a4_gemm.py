@@ -97,17 +97,18 @@ def w4a4_gemm(
     alpha,
     out_dtype,
     *,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    group_m: int,
+    num_warps: int,
+    num_stages: int,
     bias=None,
     decode: bool = False,
-    block_m: int = 128,
-    block_n: int = 128,
-    block_k: int = 128,
-    group_m: int = 8,
-    num_warps: int = 4,
-    num_stages: int = 3,
     out=None,
 ):
-    """``alpha * (A @ W^T) (+ bias)`` for NVFP4 A ``[M, K/2]`` and W ``[N, K/2]`` with linear e4m3 scales."""
+    """``alpha * (A @ W^T) (+ bias)`` for NVFP4 A ``[M, K/2]`` and W ``[N, K/2]`` with linear e4m3 scales, on the
+    tile the dispatch picks (``dispatch/linear.py``)."""
     import torch
 
     from ..format.checks import as_e4m3, check_tensor

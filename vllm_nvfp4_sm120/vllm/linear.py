@@ -1,30 +1,24 @@
-"""vLLM NVFP4 linear kernel classes, one per route of ``dispatch.linear``, and their selection.
+"""vLLM NVFP4 linear kernel classes, one thin class per route of ``dispatch.linear``.
 
 Every class but one calls the same torch custom op, ``torch.ops.nvfp4_sm120.linear`` (``dispatch/ops.py``), with its
 route; the op picks the kernel per call from T (W4A16 kernel on the same weight at decode sizes, the route's W4A4
 GEMM for prefill).  The classes only prepare the layer once at load time: a ``[N]`` weight decode global per row
 (:mod:`.scale_policy`), a 128x4-swizzled copy of the block scales for the cuBLAS and b12x routes, and the b12x
-padding.  The codes are never copied.
+padding.  The codes are never copied.  A route that cannot take a layer (``dispatch.vendor``) hands it, with one
+log line, to the kernel vLLM's selection picks without it.
 
 The exception is the comparison route ``flashinfer_w4a16`` (:class:`FlashInferW4A16NvFp4LinearKernel`): FlashInfer
 ``mm_bf16_fp4`` at every T on the weight as FlashInfer prepares it (``cute-dsl`` repacks the codes), through its
 own op ``torch.ops.nvfp4_sm120.flashinfer_w4a16``.  It replaces the layer's tensors by FlashInfer's, so there is
 still one copy of the weight, and it is opt-in by name only.
 
-Selection (installed by :mod:`.register`):
-
-* vLLM's CUDA NVFP4 list gets our classes in front (``insert(0, ...)``), so ``--linear-backend auto`` picks
-  :class:`TritonNvFp4LinearKernel` on sm_12x for W4A4 layers; on other GPUs our classes refuse unless named.
-* Our backend names (:data:`BACKEND_NAMES`) are resolved by :func:`select_nvfp4_linear_kernel`, which replaces
-  ``init_nvfp4_linear_kernel`` where vLLM's NVFP4 schemes imported it.  It also makes our W4A16 kernel reachable
-  for W4A16 checkpoints (vLLM forces Marlin there), by name only.  A name that cannot take a layer logs why and
-  falls back to vLLM's automatic selection.
+How vLLM reaches these classes (our classes in front of its CUDA NVFP4 list, our backend names) is installed by
+:mod:`.register`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 from collections.abc import Callable, Iterator
 from typing import ClassVar
@@ -34,15 +28,14 @@ from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearKernel, NvF
 from vllm.model_executor.utils import replace_parameter
 
 from ..dispatch import linear as dispatch_linear
+from ..dispatch import ops as _ops  # noqa: F401  (registers torch.ops.nvfp4_sm120.linear / .flashinfer_w4a16)
+from ..dispatch import vendor
+from ..dispatch.hw import Capability, capability_of
+from ..dispatch.linear import AUTO_BACKEND, ROUTE_PREFILL, Route, backend_name
 from ..format import check_tensor
 from . import scale_policy
-from .log import log_once
-
-
-AUTO_BACKEND = "nvfp4_sm120"
-# Routes tried, in order, when the user names AUTO_BACKEND (W4A4 layers), per compute-capability major.
-AUTO_W4A4_ROUTES: dict[int | None, tuple[str, ...]] = {12: ("triton",), None: ("triton",)}
-AUTO_W4A16_ROUTES: tuple[str, ...] = ("w4a16",)
+from .log import layer_name, log_once
+from .platform import current_capability
 
 _W_DEC_ROWS = "_nvfp4_sm120_w_dec_rows"
 _W_SCALES_SWIZZLED = "_nvfp4_sm120_w_scales_swizzled"
@@ -51,22 +44,8 @@ _FI_ALPHA = "_nvfp4_sm120_fi_alpha"
 _FI_N = "_nvfp4_sm120_fi_n"
 FI_W4A16_BACKEND_ENV = "VLLM_NVFP4_SM120_FI_W4A16_BACKEND"
 FI_W4A16_DEFAULT_BACKEND = "cute-dsl"
-
-
-def _ops():
-    from ..dispatch import ops  # registers torch.ops.nvfp4_sm120.linear
-
-    return ops
-
-
-def current_capability() -> int | None:
-    """vLLM's view of the GPU (``DeviceCapability.to_int()``, e.g. 120); imported late so test fakes are seen."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cuda():
-        return None
-    cap = current_platform.get_device_capability()
-    return None if cap is None else cap.to_int()
+# Where register.py keeps vLLM's own init_nvfp4_linear_kernel on the function that replaces it.
+ORIGINAL_INIT_ATTR = "__nvfp4_sm120_original__"
 
 
 def requested_backends() -> set[str]:
@@ -80,31 +59,9 @@ def requested_backends() -> set[str]:
     return {kc.linear_backend, *(kc.linear_backend_per_quant or {}).values()}
 
 
-def _capability_of(layer: torch.nn.Module) -> tuple[int, int] | torch.device:
-    """What the fp4_routes refusal functions take: vLLM's view of the GPU, else the weight's (non-CUDA) device."""
-    cc = current_capability()
-    return (cc // 10, cc % 10) if cc is not None else layer.weight.device
-
-
-def _route_refusal(route: str, cc: int) -> str | None:
-    """Why ``route`` cannot run on compute capability ``cc`` at all (no table rows, a plan without a kernel)."""
-    family = dispatch_linear.TABLE.get(cc // 10, {})
-    if route not in family:
-        return f"route {route!r} has no kernels for sm_{cc}"
-    missing = sorted({row.plan.kernel for row in family[route]} - set(_ops().LINEAR_KERNELS))
-    if missing:
-        return f"route {route!r} plans kernels not provided by dispatch.ops yet: {missing}"
-    return None
-
-
-def _fp4_routes_refusal(needed: tuple[str, ...]) -> str | None:
-    """The cuBLAS and b12x routes live in ``kernels/fp4_routes.py``; refuse cleanly while it lacks them."""
-    try:
-        mod = importlib.import_module("vllm_nvfp4_sm120.kernels.fp4_routes")
-    except ImportError as e:
-        return f"vllm_nvfp4_sm120.kernels.fp4_routes is not importable ({e})"
-    absent = [n for n in needed if not hasattr(mod, n)]
-    return f"vllm_nvfp4_sm120.kernels.fp4_routes lacks {absent}" if absent else None
+def _capability_of(layer: torch.nn.Module) -> Capability:
+    """What the vendor requirements take: vLLM's view of the GPU, else the weight's (non-CUDA) device."""
+    return current_capability() or capability_of(layer.weight.device)
 
 
 def layer_is_w4a4(layer: torch.nn.Module) -> bool:
@@ -113,12 +70,16 @@ def layer_is_w4a4(layer: torch.nn.Module) -> bool:
 
 
 class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
-    """Base of our NVFP4 linear kernels; subclasses fix :attr:`route`."""
+    """Base of our NVFP4 linear kernels; a subclass names its :attr:`route`, the rest derives from it."""
 
-    route: ClassVar[str]
-    backend_name: ClassVar[str]
+    route: ClassVar[Route]
+    backend_name: ClassVar[str]  # --linear-backend
     w4a4: ClassVar[bool]  # the route's prefill GEMM quantizes activations: needs a W4A4 checkpoint
-    fp4_routes_needs: ClassVar[tuple[str, ...]] = ()  # names it needs from kernels/fp4_routes.py
+
+    def __init_subclass__(cls, **kw) -> None:
+        super().__init_subclass__(**kw)
+        cls.backend_name = backend_name(cls.route)
+        cls.w4a4 = ROUTE_PREFILL[cls.route].w4a4
 
     def __init__(self, config: NvFp4LinearLayerConfig) -> None:
         super().__init__(config)
@@ -132,19 +93,18 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
 
     @classmethod
     def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
-        cc = compute_capability if compute_capability is not None else current_capability()
-        if cc is None:
+        cap = Capability(compute_capability) if compute_capability is not None else current_capability()
+        if cap is None:
             return False, "needs a CUDA GPU"
-        if (why := _route_refusal(cls.route, cc)) is not None:
-            return False, why
-        if cc // 10 == 12 or cls.is_named():
+        if cls.route not in dispatch_linear.TABLE.get(cap.family, {}):
+            return False, f"route {str(cls.route)!r} has no kernels for {cap.name}"
+        if vendor.chosen_automatically(cap) or cls.is_named():
             return True, None
-        return False, f"runs on sm_{cc} only when named (--linear-backend {cls.backend_name} or {AUTO_BACKEND})"
+        return False, f"runs on {cap.name} only when named (--linear-backend {cls.backend_name} or {AUTO_BACKEND})"
 
     @classmethod
     def can_implement(cls, config: NvFp4LinearLayerConfig) -> tuple[bool, str | None]:
-        why = _fp4_routes_refusal(cls.fp4_routes_needs) if cls.fp4_routes_needs else None
-        return why is None, why
+        return True, None  # every layer config; a layer's shape and scales are checked at load (layer_refusal)
 
     def layer_refusal(self, layer: torch.nn.Module, n: int, k: int, w4a4: bool) -> str | None:
         """Why this route cannot take this particular layer (shape, scales), found at load time."""
@@ -158,14 +118,13 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
         kind = f"{type(layer).__name__} {'W4A4' if w4a4 else 'W4A16'}"
         n, k = self._check_layer(layer)
         if (why := self.layer_refusal(layer, n, k, w4a4)) is not None:
-            self._fallback = _fallback_kernel(use_a16=not w4a4, exclude=(type(self),))
+            self._fallback = fallback_kernel(use_a16=not w4a4, exclude=(type(self),))
             log_once(
                 "warning", (kind, self.route, "fallback", why),
                 "nvfp4_sm120: route %s cannot take NVFP4 %s layers (first: %s): %s; using %s instead",
-                self.route, kind, scale_policy.layer_name(layer), why, type(self._fallback).__name__,
+                self.route, kind, layer_name(layer), why, type(self._fallback).__name__,
             )
-            if hasattr(layer, scale_policy._PARTS_ATTR):
-                delattr(layer, scale_policy._PARTS_ATTR)
+            scale_policy.drop_part_globals(layer)
             self._fallback.process_weights_after_loading(layer)
             return
         self._prepare_layer(layer, w4a4)
@@ -174,7 +133,7 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
 
     @staticmethod
     def _check_layer(layer: torch.nn.Module) -> tuple[int, int]:
-        name = scale_policy.layer_name(layer)
+        name = layer_name(layer)
         w = check_tensor(f"{name}.weight", layer.weight, dtype=torch.uint8, ndim=2)
         n, k = w.shape[0], w.shape[1] * 2
         check_tensor(f"{name}.weight_scale", layer.weight_scale, dtype=torch.float8_e4m3fn, shape=(n, k // 16))
@@ -213,21 +172,18 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
 class TritonNvFp4LinearKernel(Sm120NvFp4LinearKernel):
     """Our Triton W4A4 GEMM for prefill (native FP4 MMA on sm_120), W4A16 kernel at decode sizes."""
 
-    route, backend_name, w4a4 = "triton", "nvfp4_sm120_triton", True
+    route = Route.TRITON
 
 
 class CublasNvFp4LinearKernel(Sm120NvFp4LinearKernel):
     """cuBLAS block-scaled FP4 GEMM (``torch._scaled_mm``) for prefill; needs swizzled weight scales."""
 
-    route, backend_name, w4a4 = "cublas", "nvfp4_sm120_cublas", True
-    fp4_routes_needs = ("cublas_refusal", "prepare_cublas_weight", "scaled_mm_nvfp4")
+    route = Route.CUBLAS
 
     def layer_refusal(self, layer, n, k, w4a4):
         if (why := super().layer_refusal(layer, n, k, w4a4)) is not None:
             return why
-        from ..kernels.fp4_routes import cublas_refusal
-
-        return cublas_refusal(_capability_of(layer), n, k)
+        return vendor.cublas_refusal(_capability_of(layer), n, k)
 
     def _prepare_weight(self, layer):
         from ..kernels.fp4_routes import prepare_cublas_weight
@@ -240,15 +196,12 @@ class CublasNvFp4LinearKernel(Sm120NvFp4LinearKernel):
 class B12xNvFp4LinearKernel(Sm120NvFp4LinearKernel):
     """FlashInfer b12x FP4 GEMM for prefill; the codes are padded to multiples of 32 in place."""
 
-    route, backend_name, w4a4 = "b12x", "nvfp4_sm120_b12x", True
-    fp4_routes_needs = ("b12x_refusal", "prepare_b12x_weight", "b12x_linear")
+    route = Route.B12X
 
     def layer_refusal(self, layer, n, k, w4a4):
         if (why := super().layer_refusal(layer, n, k, w4a4)) is not None:
             return why
-        from ..kernels.fp4_routes import b12x_refusal
-
-        return b12x_refusal(_capability_of(layer), n, k)
+        return vendor.b12x_refusal(_capability_of(layer), n, k)
 
     def _prepare_weight(self, layer):
         from ..kernels.fp4_routes import prepare_b12x_weight
@@ -263,7 +216,7 @@ class B12xNvFp4LinearKernel(Sm120NvFp4LinearKernel):
 class W4A16NvFp4LinearKernel(Sm120NvFp4LinearKernel):
     """Weight-only: our W4A16 GEMV/GEMM at every T; each fused part keeps its own global.  Opt-in by name."""
 
-    route, backend_name, w4a4 = "w4a16", "nvfp4_sm120_w4a16", False
+    route = Route.W4A16
 
 
 def activation_dtype(layer: torch.nn.Module) -> torch.dtype:
@@ -281,16 +234,14 @@ class FlashInferW4A16NvFp4LinearKernel(Sm120NvFp4LinearKernel):
     each part's own).
     """
 
-    route, backend_name, w4a4 = "flashinfer_w4a16", "nvfp4_sm120_flashinfer_w4a16", False
-    fp4_routes_needs = ("W4A16_BACKENDS", "flashinfer_w4a16_refusal", "prepare_flashinfer_w4a16",
-                        "flashinfer_w4a16_linear")
+    route = Route.FLASHINFER_W4A16
 
     def __init__(self, config: NvFp4LinearLayerConfig) -> None:
         super().__init__(config)
         self.fi_backend = os.environ.get(FI_W4A16_BACKEND_ENV, "").strip() or FI_W4A16_DEFAULT_BACKEND
 
     def layer_refusal(self, layer, n, k, w4a4):
-        from ..kernels.fp4_routes import W4A16_BACKENDS, flashinfer_w4a16_refusal
+        from ..kernels.fp4_routes import W4A16_BACKENDS
 
         if self.fi_backend not in W4A16_BACKENDS:
             return f"{FI_W4A16_BACKEND_ENV}={self.fi_backend!r} is not one of {W4A16_BACKENDS}"
@@ -299,8 +250,8 @@ class FlashInferW4A16NvFp4LinearKernel(Sm120NvFp4LinearKernel):
             # No layer-specific numbers here: the reason keys the once-per-layer-kind log line.
             return ("its fused parts have different weight global scales and mm_bf16_fp4 takes one per weight "
                     "(route nvfp4_sm120_w4a16 applies each part's own)")
-        return flashinfer_w4a16_refusal(_capability_of(layer), n, k, backend=self.fi_backend,
-                                        act_dtype=activation_dtype(layer))
+        return vendor.flashinfer_w4a16_refusal(_capability_of(layer), n, k, backend=self.fi_backend,
+                                               act_dtype=activation_dtype(layer))
 
     def _prepare_layer(self, layer, w4a4):
         from ..kernels.fp4_routes import prepare_flashinfer_w4a16
@@ -338,29 +289,7 @@ BACKEND_NAMES: tuple[str, ...] = (AUTO_BACKEND, *BY_BACKEND)
 assert set(BY_ROUTE) == set(dispatch_linear.ROUTES), "one kernel class per dispatch route"
 
 
-# ---- selection by name -------------------------------------------------------------------------------------------
-
-def candidates(backend: str, use_a16: bool, cc: int | None) -> list[type[Sm120NvFp4LinearKernel]]:
-    """Our classes a backend name stands for, in the order they are tried."""
-    if backend == AUTO_BACKEND:
-        routes = AUTO_W4A16_ROUTES if use_a16 else AUTO_W4A4_ROUTES.get(None if cc is None else cc // 10,
-                                                                        AUTO_W4A4_ROUTES[None])
-        return [BY_ROUTE[r] for r in routes]
-    return [BY_BACKEND[backend]]
-
-
-def _selection_refusal(cls: type[Sm120NvFp4LinearKernel], use_a16: bool) -> str | None:
-    import vllm.envs as envs
-
-    if cls.__name__ in envs.VLLM_DISABLED_KERNELS:
-        return "disabled by VLLM_DISABLED_KERNELS"
-    if use_a16 and cls.w4a4:
-        return "its prefill GEMM needs activation scales; this is a W4A16 checkpoint"
-    for ok, why in (cls.is_supported(), cls.can_implement(NvFp4LinearLayerConfig())):
-        if not ok:
-            return why
-    return None
-
+# ---- vLLM's own choice for a layer one of ours cannot take ---------------------------------------------------------
 
 @contextlib.contextmanager
 def _hidden(classes: tuple[type, ...]) -> Iterator[None]:
@@ -377,41 +306,19 @@ def _hidden(classes: tuple[type, ...]) -> Iterator[None]:
         lst[:] = saved
 
 
-def _vllm_init() -> Callable[[bool], NvFp4LinearKernel]:
-    from . import register
+def vllm_init_nvfp4_linear_kernel() -> Callable[[bool], NvFp4LinearKernel]:
+    """vLLM's own ``init_nvfp4_linear_kernel`` (register.py replaces it by one that resolves our names)."""
+    from vllm.model_executor.kernels import linear as L
 
-    return register.original_init_nvfp4_linear_kernel()
+    fn = L.init_nvfp4_linear_kernel
+    return getattr(fn, ORIGINAL_INIT_ATTR, fn)
 
 
-def _fallback_kernel(use_a16: bool, exclude: tuple[type, ...]) -> NvFp4LinearKernel:
+def fallback_kernel(use_a16: bool, exclude: tuple[type, ...]) -> NvFp4LinearKernel:
     """vLLM's own choice for the layer with ``exclude`` out of the running.
 
     Our names are not in vLLM's backend map, so vLLM warns that the name has no kernel for this layer type and
     runs its automatic selection (where our other classes still come first on sm_12x).
     """
     with _hidden(exclude):
-        return _vllm_init()(use_a16)
-
-
-def select_nvfp4_linear_kernel(use_a16: bool = False) -> NvFp4LinearKernel:
-    """Drop-in for vLLM's ``init_nvfp4_linear_kernel``: our names here, everything else to vLLM."""
-    import vllm.envs as envs
-    from vllm.model_executor.kernels import linear as L
-
-    quantization = "nvfp4_w4a16" if use_a16 else "nvfp4_w4a4"
-    backend = L._get_linear_backend(quantization=quantization)
-    if envs.VLLM_BATCH_INVARIANT or backend not in BACKEND_NAMES:
-        return _vllm_init()(use_a16)
-    tried = candidates(backend, use_a16, current_capability())
-    reasons = []
-    for cls in tried:
-        why = _selection_refusal(cls, use_a16)
-        if why is None:
-            return cls(NvFp4LinearLayerConfig())
-        reasons.append(f"{cls.__name__}: {why}")
-    log_once(
-        "warning", (quantization, backend, tuple(reasons)),
-        "nvfp4_sm120: --linear-backend=%s cannot take %s layers (%s); falling back to vLLM's selection",
-        backend, quantization, "; ".join(reasons),
-    )
-    return _fallback_kernel(use_a16, exclude=tuple(tried))
+        return vllm_init_nvfp4_linear_kernel()(use_a16)

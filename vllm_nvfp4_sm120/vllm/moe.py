@@ -1,35 +1,29 @@
-"""NVFP4 fused MoE in vLLM 0.33: our experts class, its selection and the layer's scales.
+"""NVFP4 fused MoE in vLLM 0.33: our experts class.
 
 :class:`Sm120NvFp4Experts` is a ``FusedMoEExpertsModular`` (standard activation format; it quantizes its own
 inputs) whose ``apply`` is one call of ``torch.ops.nvfp4_sm120.moe`` (``dispatch/moe_ops.py``): the layer flow
 picks W4A16 or W4A4 kernels per call from the tokens per expert, inside the op.
 
-vLLM has no registry for MoE backends (``oracle/fp8.py``: "TODO(rob) ... register MoE backends by OOT plugins"), so
-:func:`register_moe` makes three small, recorded patches, for ModelOpt (``ModelOptNvFp4FusedMoE``) and
-compressed-tensors (``CompressedTensorsW4A4Nvfp4MoEMethod``) only:
+vLLM has no registry for MoE backends, so :mod:`.register` patches ModelOpt's (``ModelOptNvFp4FusedMoE``) and
+compressed-tensors' (``CompressedTensorsW4A4Nvfp4MoEMethod``) NVFP4 MoE methods to ask this class:
 
-1. ``select_nvfp4_moe_backend``, where those two modules imported it, picks our experts
-   * automatically on sm_12x for W4A4 checkpoints (the experts carry static input scales), and
-   * by name, ``--moe-backend nvfp4_sm120`` (appended to vLLM's closed ``MoEBackend`` Literal), on any CUDA GPU and
-     for W4A16 checkpoints too (W4A16 kernels only); a name we cannot honour logs why and falls back to vLLM's
-     automatic choice.
-   Both methods keep a ``NvFp4MoeBackend`` value; ours is :data:`BACKEND_SLOT` (``EMULATION``): no global-sf
+1. their ``select_nvfp4_moe_backend`` takes our experts unless :meth:`Sm120NvFp4Experts.refusal` says why not:
+   automatically on sm_12x for W4A4 checkpoints (the experts carry static input scales), and by name,
+   ``--moe-backend nvfp4_sm120``, on any CUDA GPU and for W4A16 checkpoints too (W4A16 kernels only).  Both methods
+   keep a ``NvFp4MoeBackend`` value; ours is :attr:`~Sm120NvFp4Experts.backend_slot` (``EMULATION``): no global-sf
    input scales (``use_global_sf`` False: input scales per local expert) and no extra kernel arguments.
-2. their ``process_weights_after_loading``, for layers whose experts are ours, replaces vLLM's conversion by
-   :func:`_prepare_layer`: vLLM's loaded banks stay as they are (codes ``[E, 2I, H/2]``, gate rows then up rows;
-   linear e4m3 scales), nothing is copied; the per-expert weight globals and the static activation scales are
-   reduced as described there; then vLLM's own ``make_nvfp4_moe_kernel`` builds the modular kernel.
-3. their ``get_fused_moe_quant_config`` gives our experts the tensors they read (:func:`quant_config_for`).
+2. their ``process_weights_after_loading`` becomes :meth:`Sm120NvFp4Experts.prepare_layer`: vLLM's loaded banks
+   stay as they are (codes ``[E, 2I, H/2]``, gate rows then up rows; linear e4m3 scales), nothing is copied; the
+   per-expert weight globals and the static activation scales are reduced by :mod:`.scale_policy`; then vLLM's own
+   ``make_nvfp4_moe_kernel`` builds the modular kernel.
+3. their ``get_fused_moe_quant_config`` gives our experts the tensors they read
+   (:meth:`Sm120NvFp4Experts.quant_config`).
 
 The class names of the methods are untouched, so the weight loader's class-name checks ("ModelOpt" in the name:
 w1/w3 input scales in ``[E, 0]`` / ``[E, 1]``; "compressed": w1 and w3 input scales must agree) behave as usual.
 """
 
 from __future__ import annotations
-
-import functools
-import sys
-from collections.abc import Callable
 
 import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
@@ -46,41 +40,39 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeig
 from vllm.model_executor.layers.quantization.utils.quant_utils import QuantKey, kNvfp4Dynamic, kNvfp4Static
 from vllm.model_executor.utils import replace_parameter
 
-from ..format import GlobalScale, check_tensor
-from .log import layer_name, log_once, logger
+from ..dispatch import moe_ops  # registers torch.ops.nvfp4_sm120.moe: it must exist before any apply is traced
+from ..dispatch import vendor
+from ..dispatch.linear import AUTO_BACKEND
+from ..format import check_tensor
+from . import scale_policy
+from .log import layer_name
+from .platform import current_capability
+from .scale_policy import COMPRESSED_TENSORS, MODELOPT  # noqa: F401  (the formats prepare_layer takes)
 
-
-BACKEND_NAME = "nvfp4_sm120"  # --moe-backend
+BACKEND_NAME = AUTO_BACKEND  # --moe-backend
 BACKEND_NAMES: tuple[str, ...] = (BACKEND_NAME,)
-# The NvFp4MoeBackend value our layers carry (the enum is closed): EMULATION is the one whose semantics match ours —
-# input scales per local expert (no global-sf loading) and no extra kernel arguments in make_nvfp4_moe_kernel.
-BACKEND_SLOT = oracle.NvFp4MoeBackend.EMULATION
-MODELOPT = "ModelOpt"
-COMPRESSED_TENSORS = "compressed-tensors"
-
-_MODELOPT_MODULE = "vllm.model_executor.layers.quantization.modelopt"
-_CT_MODULE = ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
-              "compressed_tensors_moe_w4a4_nvfp4")
-
-
-def _ops():
-    from ..dispatch import moe_ops  # registers torch.ops.nvfp4_sm120.moe
-
-    return moe_ops
+# The static activation encode scales the experts read (one [1] fp32 each): our own names, since ModelOpt's
+# w13_input_scale / w2_input_scale hold its per-expert decode scales.
+A13_ENC = "_nvfp4_sm120_a13_enc"
+A2_ENC = "_nvfp4_sm120_a2_enc"
 
 
 # ---- the experts ---------------------------------------------------------------------------------------------------
 
 class Sm120NvFp4Experts(mk.FusedMoEExpertsModular):
-    """NVFP4 MoE experts on our Triton kernels (``torch.ops.nvfp4_sm120.moe``).
+    """NVFP4 MoE experts on our kernels (``torch.ops.nvfp4_sm120.moe``).
 
-    Reads from its quant config (:func:`quant_config_for`): ``w1_scale`` / ``w2_scale`` linear e4m3 block scales
+    Reads from its quant config (:meth:`quant_config`): ``w1_scale`` / ``w2_scale`` linear e4m3 block scales
     ``[E, 2I, H/16]`` / ``[E, H, I/16]``, ``g1_alphas`` / ``g2_alphas`` per-expert weight *decode* globals ``[E]``,
     and, for W4A4 checkpoints, ``a1_gscale`` / ``a2_gscale``: one-element *encode* activation scales (``None`` for
     W4A16).  Weighs and sums the top-k routes itself (``TopKWeightAndReduceNoOP``).
     """
 
     backend_name = BACKEND_NAME
+    # The NvFp4MoeBackend value our layers carry (the enum is closed): EMULATION is the one whose semantics match
+    # ours -- input scales per local expert (no global-sf loading) and no extra kernel arguments in
+    # make_nvfp4_moe_kernel.
+    backend_slot = oracle.NvFp4MoeBackend.EMULATION
     deterministic = False  # fp32 atomics for the top-k sum; the op has a slot-ordered mode if ever needed
 
     @property
@@ -113,7 +105,7 @@ class Sm120NvFp4Experts(mk.FusedMoEExpertsModular):
         from vllm.platforms import current_platform  # late: tests fake the platform
 
         # Any CUDA GPU runs the kernels (exact decode instead of the FP4 MMA before sm_120); auto picks them on
-        # sm_12x only (see _choose).
+        # sm_12x only (see refusal).
         return current_platform.is_cuda()
 
     @staticmethod
@@ -127,7 +119,7 @@ class Sm120NvFp4Experts(mk.FusedMoEExpertsModular):
 
     @staticmethod
     def _supports_activation(activation: MoEActivation) -> bool:
-        return activation.value in _ops().ACTIVATIONS
+        return activation.value in moe_ops.ACTIVATIONS
 
     @staticmethod
     def _supports_parallel_config(moe_parallel_config: FusedMoEParallelConfig) -> bool:
@@ -161,7 +153,7 @@ class Sm120NvFp4Experts(mk.FusedMoEExpertsModular):
                      shape=[e, h, i // 16])
         check_tensor(f"{name}.w13_weight_scale_2 (decode)", self.g1_alphas, dtype=torch.float32, shape=[e])
         check_tensor(f"{name}.w2_weight_scale_2 (decode)", self.g2_alphas, dtype=torch.float32, shape=[e])
-        for what, t in (("w13_input_scale", self.a1_gscale), ("w2_input_scale", self.a2_gscale)):
+        for what, t in ((A13_ENC, self.a1_gscale), (A2_ENC, self.a2_gscale)):
             if t is not None:
                 check_tensor(f"{name}.{what} (encode)", t, dtype=torch.float32, shape=[1])
 
@@ -192,257 +184,77 @@ class Sm120NvFp4Experts(mk.FusedMoEExpertsModular):
         )
 
 
-_ops()  # the op must exist before any apply is traced
+    # ---- how vLLM's NVFP4 MoE methods reach this class (installed by register.py) ------------------------------
+    @classmethod
+    def refusal(cls, config: FusedMoEConfig, weight_key, activation_key) -> str | None:
+        """``None`` when our experts take the layer, else why not."""
+        import vllm.envs as envs
 
-# ---- quant config and load-time scales ------------------------------------------------------------------------------
+        named = config.moe_backend in BACKEND_NAMES
+        if not named and config.moe_backend != "auto":
+            return f"--moe-backend {config.moe_backend} names another backend"
+        if cls.__name__ in envs.VLLM_DISABLED_KERNELS:
+            return "disabled by VLLM_DISABLED_KERNELS"
+        if not named:
+            cap = current_capability()
+            if not vendor.chosen_automatically(cap):
+                return f"chosen automatically on sm_12x only (this GPU: {'none' if cap is None else cap.name})"
+            if activation_key is None:
+                return "W4A16 checkpoint (no static input scales): by name only (--moe-backend nvfp4_sm120)"
+        act_format = (mk.FusedMoEActivationFormat.BatchedExperts
+                      if config.moe_parallel_config.use_batched_activation_format
+                      else mk.FusedMoEActivationFormat.Standard)
+        ok, why = cls.is_supported_config(cls, config, weight_key, activation_key, act_format)
+        return None if ok else why
 
-def quant_config_for(layer: torch.nn.Module, *, w4a4: bool) -> FusedMoEQuantConfig:
-    """The tensors :class:`Sm120NvFp4Experts` reads, as the layer's own parameters (EPLB moves them in place)."""
-    if not w4a4:
-        return nvfp4_w4a16_moe_quant_config(
+    @staticmethod
+    def quant_config(layer: torch.nn.Module, *, w4a4: bool) -> FusedMoEQuantConfig:
+        """The tensors the experts read, as the layer's own parameters (EPLB moves them in place)."""
+        if not w4a4:
+            return nvfp4_w4a16_moe_quant_config(
+                g1_alphas=layer.w13_weight_scale_2, g2_alphas=layer.w2_weight_scale_2,
+                w1_scale=layer.w13_weight_scale, w2_scale=layer.w2_weight_scale,
+            )
+        return nvfp4_moe_quant_config(
             g1_alphas=layer.w13_weight_scale_2, g2_alphas=layer.w2_weight_scale_2,
+            a1_gscale=getattr(layer, A13_ENC), a2_gscale=getattr(layer, A2_ENC),
             w1_scale=layer.w13_weight_scale, w2_scale=layer.w2_weight_scale,
+            is_scale_swizzled=False,
         )
-    return nvfp4_moe_quant_config(
-        g1_alphas=layer.w13_weight_scale_2, g2_alphas=layer.w2_weight_scale_2,
-        a1_gscale=layer.w13_input_scale, a2_gscale=layer.w2_input_scale,
-        w1_scale=layer.w13_weight_scale, w2_scale=layer.w2_weight_scale,
-        is_scale_swizzled=False,
-    )
 
+    @classmethod
+    def prepare_layer(cls, method, layer: torch.nn.Module, fmt: str) -> None:
+        """The ``process_weights_after_loading`` of ``method`` (ModelOpt or compressed-tensors) for our experts."""
+        name = layer_name(layer)
+        w4a4 = not method.use_a16
+        if fmt == COMPRESSED_TENSORS:
+            # The modular kernel expects vLLM's `w13_weight` / `w2_weight` names (CT's own processing renames too).
+            for n in ("w13", "w2"):
+                packed = getattr(layer, f"{n}_weight_packed")
+                delattr(layer, f"{n}_weight_packed")
+                layer.register_parameter(f"{n}_weight", torch.nn.Parameter(packed.data, requires_grad=False))
+        w13, w2, a13, a2 = scale_policy.moe_globals(layer, fmt, w4a4=w4a4)
+        replace_parameter(layer, "w13_weight_scale_2", scale_policy.gate_up_weight_dec(w13, name))
+        replace_parameter(layer, "w2_weight_scale_2", w2.dec.contiguous())
+        if w4a4:
+            parallel = method.moe.moe_parallel_config
+            replace_parameter(layer, A13_ENC, scale_policy.static_input_enc(a13.dec, f"{name}.w13_input_scale",
+                                                                             parallel))
+            replace_parameter(layer, A2_ENC, scale_policy.static_input_enc(a2.dec, f"{name}.w2_input_scale",
+                                                                            parallel))
 
-def gate_up_weight_dec(parts_dec: torch.Tensor, name: str) -> torch.Tensor:
-    """Per-expert gate_up weight decode global ``[E]`` from ``[E, 2]`` (w1, w3): w1's, as vLLM keeps.
-
-    The kernels scale the gate_up GEMM with one global per expert; a w3 global that differs rescales the up rows.
-    vLLM warns once for the whole model; we name the layer and the spread (load time: reads values on the host).
-    """
-    parts_dec = parts_dec.detach().to(torch.float32)
-    w1, w3 = parts_dec[:, 0], parts_dec[:, 1]
-    if not torch.allclose(w1, w3):
-        differ = ~torch.isclose(w1, w3)
-        ratio = float((torch.maximum(w1, w3) / torch.minimum(w1, w3))[differ].max())
-        logger.warning(
-            "NVFP4 MoE layer %s: the gate (w1) and up (w3) weight global scales differ for %d of %d experts "
-            "(largest ratio %.4g); the kernels use one global per expert, w1's (as vLLM does). "
-            "Accuracy may be affected.",
-            name, int(differ.sum()), w1.numel(), ratio,
+        method.moe_quant_config = method.get_fused_moe_quant_config(layer)
+        method.moe_kernel = oracle.make_nvfp4_moe_kernel(
+            moe_quant_config=method.moe_quant_config,
+            moe_config=method.moe,
+            experts_cls=method.experts_cls,
+            backend=method.nvfp4_backend,
+            routing_tables=layer._expert_routing_tables(),
         )
-    return w1.contiguous()
+        method.moe_kernel.fused_experts.process_weights_after_loading(layer)
 
-
-def _ep_max(t: torch.Tensor, parallel: FusedMoEParallelConfig) -> torch.Tensor:
-    """Max across expert-parallel ranks, so every rank quantizes with the same scale (as vLLM's global-sf backends
-    do, where each rank sees every expert's scale; and required with EPLB, where experts move between ranks)."""
-    if parallel.use_ep and parallel.ep_size > 1:
-        from vllm.distributed.parallel_state import get_ep_group
-
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=get_ep_group().device_group)
-    return t
-
-
-def static_input_enc(dec: torch.Tensor, name: str, parallel: FusedMoEParallelConfig) -> torch.Tensor:
-    """One static activation *encode* scale ``[1]`` for a GEMM input from the experts' *decode* scales.
-
-    Max of the decode scales (the largest calibrated amax: no expert's input saturates), over the layer's experts,
-    the w1/w3 parts and the expert-parallel ranks.  Load time: validated on the host.
-    """
-    dec_max = _ep_max(dec.detach().to(torch.float32).max().reshape(1), parallel)
-    value = float(dec_max)
-    if not (value > 0 and value != float("inf")):
-        raise ValueError(
-            f"{name}: the static activation scale of the experts must be finite and > 0 (decode amax/2688), "
-            f"got max {value}; the checkpoint's input scales are missing or broken"
-        )
-    return GlobalScale.from_decode(dec_max, name).enc.reshape(1)
-
-
-def _prepare_layer(method, layer: torch.nn.Module, fmt: str) -> None:
-    """Our ``process_weights_after_loading`` for ``method`` (ModelOpt or compressed-tensors) on ``layer``."""
-    name = layer_name(layer)
-    w4a4 = not method.use_a16
-    if fmt == COMPRESSED_TENSORS:
-        # The modular kernel expects vLLM's `w13_weight` / `w2_weight` names (CT's own processing renames too).
-        for n in ("w13", "w2"):
-            packed = getattr(layer, f"{n}_weight_packed")
-            delattr(layer, f"{n}_weight_packed")
-            layer.register_parameter(f"{n}_weight", torch.nn.Parameter(packed.data, requires_grad=False))
-        # compressed-tensors stores ENCODE globals (2688 / amax).
-        many = functools.partial(GlobalScale.from_encode, per_tensor=False)
-        w13_parts, w2 = many(layer.w13_weight_global_scale), many(layer.w2_weight_global_scale)
-        a13 = many(layer.w13_input_global_scale) if w4a4 else None
-        a2 = many(layer.w2_input_global_scale) if w4a4 else None
-    else:
-        # ModelOpt stores DECODE globals (amax / 2688).
-        many = functools.partial(GlobalScale.from_decode, per_tensor=False)
-        w13_parts, w2 = many(layer.w13_weight_scale_2), many(layer.w2_weight_scale_2)
-        a13 = many(layer.w13_input_scale) if w4a4 else None
-        a2 = many(layer.w2_input_scale) if w4a4 else None
-
-    replace_parameter(layer, "w13_weight_scale_2", gate_up_weight_dec(w13_parts.dec, name))
-    replace_parameter(layer, "w2_weight_scale_2", w2.dec.contiguous())
-    parallel = method.moe.moe_parallel_config
-    a13_enc = static_input_enc(a13.dec, f"{name}.w13_input_scale", parallel) if w4a4 else None
-    a2_enc = static_input_enc(a2.dec, f"{name}.w2_input_scale", parallel) if w4a4 else None
-    if fmt == MODELOPT:
-        replace_parameter(layer, "w13_input_scale", a13_enc)
-        replace_parameter(layer, "w2_input_scale", a2_enc)
-    else:
-        layer.w13_input_scale, layer.w2_input_scale = a13_enc, a2_enc
-
-    method.moe_quant_config = method.get_fused_moe_quant_config(layer)
-    method.moe_kernel = oracle.make_nvfp4_moe_kernel(
-        moe_quant_config=method.moe_quant_config,
-        moe_config=method.moe,
-        experts_cls=method.experts_cls,
-        backend=method.nvfp4_backend,
-        routing_tables=layer._expert_routing_tables(),
-    )
-    method.moe_kernel.fused_experts.process_weights_after_loading(layer)
-
-
-# ---- selection -------------------------------------------------------------------------------------------------------
-
-def current_capability() -> int | None:
-    from vllm.platforms import current_platform  # late: tests fake the platform
-
-    if not current_platform.is_cuda():
-        return None
-    cap = current_platform.get_device_capability()
-    return None if cap is None else cap.to_int()
-
-
-def _choose(config: FusedMoEConfig, weight_key, activation_key) -> str | None:
-    """``None`` when our experts take the layer, else why not."""
-    import vllm.envs as envs
-
-    named = config.moe_backend in BACKEND_NAMES
-    if not named and config.moe_backend != "auto":
-        return f"--moe-backend {config.moe_backend} names another backend"
-    if Sm120NvFp4Experts.__name__ in envs.VLLM_DISABLED_KERNELS:
-        return "disabled by VLLM_DISABLED_KERNELS"
-    if not named:
-        cc = current_capability()
-        if cc is None or cc // 10 != 12:
-            return f"chosen automatically on sm_12x only (this GPU: {'none' if cc is None else f'sm_{cc}'})"
-        if activation_key is None:
-            return "W4A16 checkpoint (no static input scales): by name only (--moe-backend nvfp4_sm120)"
-    act_format = (mk.FusedMoEActivationFormat.BatchedExperts
-                  if config.moe_parallel_config.use_batched_activation_format
-                  else mk.FusedMoEActivationFormat.Standard)
-    ok, why = Sm120NvFp4Experts.is_supported_config(Sm120NvFp4Experts, config, weight_key, activation_key,
-                                                    act_format)
-    return None if ok else why
-
-
-def _make_select(fmt: str, original: Callable) -> Callable:
-    @functools.wraps(original)
-    def select_nvfp4_moe_backend(config: FusedMoEConfig, weight_key, activation_key):
-        acts = "W4A16" if activation_key is None else "W4A4"
-        why = _choose(config, weight_key, activation_key)
-        if why is None:
-            how = "named" if config.moe_backend in BACKEND_NAMES else "auto"
-            log_once("info", (fmt, acts, how),
-                      "nvfp4_sm120: NVFP4 MoE layers (%s %s) use %s (%s)",
-                      fmt, acts, Sm120NvFp4Experts.__name__,
-                      "--moe-backend " + BACKEND_NAME if how == "named" else "automatic on sm_12x")
-            return BACKEND_SLOT, Sm120NvFp4Experts
-        if config.moe_backend not in BACKEND_NAMES:
-            return original(config, weight_key, activation_key)
-        log_once("warning", (fmt, acts, why),
-                  "nvfp4_sm120: --moe-backend %s cannot take %s %s MoE layers (%s); using vLLM's automatic choice",
-                  BACKEND_NAME, fmt, acts, why)
-        # vLLM does not know our name: run its automatic selection for this layer.
-        config.moe_backend = "auto"
-        try:
-            return original(config, weight_key, activation_key)
-        finally:
-            config.moe_backend = BACKEND_NAME
-
-    return select_nvfp4_moe_backend
-
-
-def is_ours(method) -> bool:
-    cls = getattr(method, "experts_cls", None)
-    return isinstance(cls, type) and issubclass(cls, Sm120NvFp4Experts)
-
-
-def _make_process(fmt: str, original: Callable) -> Callable:
-    @functools.wraps(original)
-    def process_weights_after_loading(self, layer):
-        if not is_ours(self):
-            return original(self, layer)
-        if fmt == MODELOPT and sys.modules[_MODELOPT_MODULE].is_weights_pre_processed():
-            return original(self, layer)  # vLLM's pre-processed (TRTLLM) weights: vLLM explains the error
-        return _prepare_layer(self, layer, fmt)
-
-    return process_weights_after_loading
-
-
-def _make_quant_config(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def get_fused_moe_quant_config(self, layer):
-        if not is_ours(self):
-            return original(self, layer)
-        return quant_config_for(layer, w4a4=not self.use_a16)
-
-    return get_fused_moe_quant_config
-
-
-# ---- registration ----------------------------------------------------------------------------------------------------
-
-_undo: list[Callable[[], None]] = []
-
-
-def _set(obj, name: str, value) -> None:
-    old = vars(obj)[name]
-    setattr(obj, name, value)
-    _undo.append(lambda: setattr(obj, name, old))
-
-
-def is_moe_registered() -> bool:
-    return bool(_undo)
-
-
-def register_moe() -> None:
-    """Install the MoE hooks (module docstring).  Idempotent; does nothing on vLLM other than 0.33.x or with
-    ``VLLM_NVFP4_SM120=0`` (the lead's ``register()`` calls it; :func:`unregister_moe` undoes it)."""
-    from . import register as plugin
-
-    if plugin.disabled_by_env() or is_moe_registered():
-        return
-    import vllm
-
-    if not plugin.vllm_version_supported(vllm.__version__):
-        return  # register() warns once about the version
-    try:
-        _install()
-    except BaseException:
-        unregister_moe()
-        raise
-
-
-def unregister_moe() -> None:
-    while _undo:
-        _undo.pop()()
-
-
-def _install() -> None:
-    import importlib
-
-    from . import backend_names
-
-    modelopt = importlib.import_module(_MODELOPT_MODULE)
-    ct = importlib.import_module(_CT_MODULE)
-
-    if backend_names.extend_literal(backend_names.MOE_BACKEND, BACKEND_NAMES):
-        _undo.append(lambda: backend_names.restore(backend_names.MOE_BACKEND))
-
-    original = oracle.select_nvfp4_moe_backend
-    for fmt, module, method_cls in ((MODELOPT, modelopt, modelopt.ModelOptNvFp4FusedMoE),
-                                    (COMPRESSED_TENSORS, ct, ct.CompressedTensorsW4A4Nvfp4MoEMethod)):
-        if module.select_nvfp4_moe_backend is not original:
-            raise RuntimeError(f"{module.__name__}.select_nvfp4_moe_backend is not vLLM's: another plugin patched it")
-        _set(module, "select_nvfp4_moe_backend", _make_select(fmt, original))
-        _set(method_cls, "process_weights_after_loading", _make_process(fmt, method_cls.process_weights_after_loading))
-        _set(method_cls, "get_fused_moe_quant_config", _make_quant_config(method_cls.get_fused_moe_quant_config))
+    @classmethod
+    def serves(cls, method) -> bool:
+        """Whether vLLM's MoE ``method`` runs our experts."""
+        experts = getattr(method, "experts_cls", None)
+        return isinstance(experts, type) and issubclass(experts, cls)

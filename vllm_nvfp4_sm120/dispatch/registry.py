@@ -1,0 +1,120 @@
+"""Which launcher runs a plan: one entry per plan kind.
+
+* :data:`LINEAR_KERNELS`: ``LinearKernel`` → an adapter with the linear op's arguments (the weight as the layer
+  keeps it, the route's swizzled scales and activation scales) and the plan's tile as keywords.
+* :data:`MOE_KERNELS`: ``(MoeKernel, Impl)`` → the ``(gate_up, down)`` launchers of the MoE layer flow; the Gluon
+  ones take the Triton ones' arguments.
+
+Plus the Gluon gemv on the tile the dispatch picks (:func:`gemv`), for tools and tests that call it directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..kernels import fp4_routes, gluon_gemv, gluon_moe_w4a4, gluon_moe_w4a16, moe_w4a4, moe_w4a16
+from ..kernels.act_quant import quantize_act_nvfp4
+from ..kernels.w4a4_gemm import w4a4_gemm
+from ..kernels.w4a16_dequant import w4a16_dequant_mm
+from ..kernels.w4a16_linear import w4a16_gemm, w4a16_gemv
+from . import vendor
+from .hw import capability_of
+from .linear import GLUON_GEMV_MAX_T, LinearKernel, Route, act_quant_config, gluon_gemv_plan
+from .moe import Impl, MoeKernel
+
+
+def _logical(w_codes, w_scales, n, k):
+    """Views of the first N rows and K columns: a route may have padded the weight in place (b12x pads to 32)."""
+    return w_codes[:n, : k // 2], w_scales[:n, : k // 16]
+
+
+def _require(route: Route, x: torch.Tensor, n: int, k: int, **kw) -> None:
+    """The vendor route's requirement, for a call with work on a GPU (CPU tensors and T = 0 are the launchers'
+    own cases: they refuse the former, return the empty output for the latter)."""
+    if x.is_cuda and x.shape[0]:
+        vendor.require(route, x, n, k, **kw)
+
+
+# ---- linear: one adapter per LinearKernel, all with the op's arguments ------------------------------------------
+
+def _w4a4_triton(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias, **tile):
+    a_codes, a_scales = quantize_act_nvfp4(x, in_enc, **act_quant_config(*x.shape))
+    codes, scales = _logical(w_codes, w_scales, w_dec_rows.shape[0], x.shape[1])
+    return w4a4_gemm(a_codes, a_scales, codes, scales, alpha, x.dtype, bias=bias, **tile)
+
+
+def _w4a4_cublas(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias):
+    _require(Route.CUBLAS, x, w_codes.shape[0], x.shape[1])
+    a_codes, a_scales = quantize_act_nvfp4(x, in_enc, swizzled=True, **act_quant_config(*x.shape, swizzled=True))
+    return fp4_routes.scaled_mm_nvfp4(a_codes, a_scales, w_codes, w_scales_swizzled, alpha, x.dtype, bias=bias)
+
+
+def _w4a4_b12x(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias):
+    n = w_dec_rows.shape[0]
+    _require(Route.B12X, x, n, x.shape[1])
+    return fp4_routes.b12x_linear(x, w_codes, w_scales_swizzled, in_enc, alpha, n=n, bias=bias,
+                                  quant_tile=act_quant_config(*x.shape, swizzled=True))
+
+
+def _w4a16(launch):
+    def run(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias, **tile):
+        codes, scales = _logical(w_codes, w_scales, w_dec_rows.shape[0], x.shape[1])
+        return launch(x, codes, scales, w_dec_rows, bias, **tile)
+
+    return run
+
+
+def _gluon(tile_cls, launch):
+    def run(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias, **tile):
+        codes, scales = _logical(w_codes, w_scales, w_dec_rows.shape[0], x.shape[1])
+        return launch(x, codes, scales, w_dec_rows, bias=bias, tile=tile_cls(**tile))
+
+    return run
+
+
+def run_flashinfer_w4a16(x, b, sf, alpha, bias, n: int, backend: str):
+    """Route flashinfer_w4a16: ``mm_bf16_fp4`` on FlashInfer's prepared ``(b, sf, alpha)`` for ``backend``."""
+    _require(Route.FLASHINFER_W4A16, x, n, x.shape[1], backend=backend)
+    return fp4_routes.flashinfer_w4a16_linear(x, (b, sf, alpha), n, backend=backend, bias=bias)
+
+
+def _fi_w4a16(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias):
+    """Route flashinfer_w4a16's plan, for callers holding FlashInfer's prepared ``(b, sf, alpha)`` of the default
+    backend in the w_codes, w_scales and alpha slots.  The vLLM glue calls its own op (``dispatch/ops.py``)."""
+    return run_flashinfer_w4a16(x, w_codes, w_scales, alpha, bias, w_dec_rows.shape[0], "cute-dsl")
+
+
+LINEAR_KERNELS: dict[LinearKernel, Callable[..., torch.Tensor]] = {
+    LinearKernel.W4A4_TRITON: _w4a4_triton,
+    LinearKernel.W4A4_CUBLAS: _w4a4_cublas,
+    LinearKernel.W4A4_B12X: _w4a4_b12x,
+    LinearKernel.W4A16_GEMV: _w4a16(w4a16_gemv),
+    LinearKernel.W4A16_GEMM: _w4a16(w4a16_gemm),
+    LinearKernel.W4A16_DEQUANT_MM: _w4a16(w4a16_dequant_mm),
+    LinearKernel.GLUON_GEMV_FMA: _gluon(gluon_gemv.FmaTile, gluon_gemv.gemv_fma),
+    LinearKernel.GLUON_GEMV_MMA: _gluon(gluon_gemv.MmaTile, gluon_gemv.gemv_mma),
+    LinearKernel.FI_W4A16: _fi_w4a16,
+}
+
+
+def gemv(x, w_codes, w_scales, w_dec_rows, *, bias=None, decode: int | None = None, out=None):
+    """The Gluon gemv with the kernel and tile the dispatch picks for x's GPU (T <= ``GLUON_GEMV_MAX_T``)."""
+    if x.shape[0] > GLUON_GEMV_MAX_T:
+        raise ValueError(f"x: T = {x.shape[0]} tokens is more than a gemv handles (<= {GLUON_GEMV_MAX_T}); "
+                         "use the GEMM")
+    plan = gluon_gemv_plan(capability_of(x.device), x.shape[0], w_codes.shape[0], x.shape[1])
+    kernel, tile = {LinearKernel.GLUON_GEMV_FMA: (gluon_gemv.gemv_fma, gluon_gemv.FmaTile),
+                    LinearKernel.GLUON_GEMV_MMA: (gluon_gemv.gemv_mma, gluon_gemv.MmaTile)}[plan.kernel]
+    return kernel(x, w_codes, w_scales, w_dec_rows, tile=tile(**plan.kwargs), bias=bias, decode=decode, out=out)
+
+
+# ---- MoE: (gate_up, down) per (MoeKernel, Impl) ----------------------------------------------------------------
+
+MOE_KERNELS: dict[tuple[MoeKernel, Impl], tuple[Callable, Callable]] = {
+    (MoeKernel.W4A16, Impl.TRITON): (moe_w4a16.moe_w4a16_gate_up, moe_w4a16.moe_w4a16_down),
+    (MoeKernel.W4A4, Impl.TRITON): (moe_w4a4.moe_w4a4_gate_up, moe_w4a4.moe_w4a4_down),
+    (MoeKernel.W4A16, Impl.GLUON): (gluon_moe_w4a16.gluon_moe_w4a16_gate_up, gluon_moe_w4a16.gluon_moe_w4a16_down),
+    (MoeKernel.W4A4, Impl.GLUON): (gluon_moe_w4a4.gluon_moe_w4a4_gate_up, gluon_moe_w4a4.gluon_moe_w4a4_down),
+}

@@ -1,0 +1,157 @@
+"""What the MoE grouped-GEMM families share (Triton and Gluon, W4A16 and W4A4): the alignment arguments of their
+compile signatures, the gated activation of the gate_up epilogue, and the launchers' argument checks.
+
+An expert *bank* is vLLM's loaded tensor: codes ``[E, rows, K/2]`` u8, linear e4m3 scales ``[E, rows, K/16]``,
+per-expert decode globals ``[E]`` fp32.  The gate_up bank ``w13`` holds the gate rows, then the up rows.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..format.reference import ACTIVATIONS
+
+# The arguments every grouped GEMM takes from :class:`.moe_align.MoeAlignment`, as the compile harness types them.
+ALIGN_SIGNATURE = {"sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32"}
+
+
+@triton.jit
+def gated_activation_f32(gate, up, ACTIVATION: tl.constexpr):
+    """``act(gate) * up`` in fp32: SiLU, or GELU with the tanh approximation (tanh(y) = 1 - 2 / (e^2y + 1))."""
+    if ACTIVATION == "silu":
+        g = gate / (1.0 + tl.exp(-gate))
+    else:
+        tl.static_assert(ACTIVATION == "gelu_tanh", "ACTIVATION must be 'silu' or 'gelu_tanh'")
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        g = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
+    return g * up
+
+
+def check_bank(name: str, codes, scales, dec, rows: int | None, k: int | None):
+    """An expert bank ``name`` (``w13``, ``w2``) with ``rows`` rows of ``k`` weights (None: any); returns
+    ``(scales as uint8, E, rows, K)``."""
+    import torch
+
+    from ..format.checks import as_e4m3, check_tensor
+
+    check_tensor(f"{name}_codes", codes, dtype=torch.uint8, ndim=3, last_dim_contiguous=True)
+    e, n, kh = codes.shape
+    if (rows is not None and n != rows) or (k is not None and 2 * kh != k):
+        raise ValueError(f"{name}_codes: expected shape [E, {rows if rows is not None else '*'}, "
+                         f"{k // 2 if k is not None else '*'}], got {list(codes.shape)}")
+    kk = 2 * kh
+    if kk % 16:
+        raise ValueError(f"{name}_codes: K = {kk} must be a multiple of 16 (one e4m3 scale per 16 weights)")
+    scales = as_e4m3(f"{name}_scales", scales)
+    check_tensor(f"{name}_scales", scales, shape=[e, n, kk // 16], last_dim_contiguous=True)
+    check_tensor(f"{name}_dec", dec, dtype=torch.float32, shape=[e])
+    return scales.view(torch.uint8), e, n, kk
+
+
+def check_enc(name: str, enc):
+    """One fp32 encode scale on the device (a static activation scale); returns it as ``[1]``."""
+    import torch
+
+    from ..format.checks import check_tensor
+
+    check_tensor(name, enc, dtype=torch.float32)
+    if enc.numel() != 1:
+        raise ValueError(f"{name}: expected one fp32 encode scale (a device tensor), got shape {list(enc.shape)}")
+    return enc.reshape(1)
+
+
+def check_gate_up_bank(w13_codes, w13_scales, w13_dec, h: int, activation: str, align, t: int, x_name: str):
+    """The checks every gate_up launcher shares (W4A16 and W4A4, Triton and Gluon): the w13 bank for hidden size
+    ``h``, the activation, and an alignment built for ``t`` tokens of ``x_name``.  Returns ``(w13 scales as e4m3,
+    I, routes)``."""
+    w_sf, _, two_i, _ = check_bank("w13", w13_codes, w13_scales, w13_dec, None, h)
+    if two_i % 32:
+        raise ValueError(f"w13_codes: 2I = {two_i} rows must be gate and up halves of I % 16 == 0")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    r = align.num_routes
+    if r != t * align.top_k:
+        raise ValueError(f"align: built for {r} routes, {x_name} has {t} tokens x top_k {align.top_k}")
+    return w_sf, two_i // 2, r
+
+
+def _check_down_out(topk_weights, align, out, deterministic: bool, h: int) -> None:
+    import torch
+
+    from ..format.checks import check_tensor
+
+    r = align.num_routes
+    check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=[r // max(align.top_k, 1), align.top_k])
+    rows = r if deterministic else r // max(align.top_k, 1)
+    check_tensor("out", out, dtype=torch.float32, shape=[rows, h], last_dim_contiguous=True)
+
+
+def check_w4a16_gate_up_inputs(x, w13_codes, w13_scales, w13_dec, align, activation, out):
+    """The W4A16 gate_up launchers' argument checks (Triton and Gluon); allocates the intermediate if not given.
+    Returns ``(w13 scales as e4m3, H, I, routes, out)``."""
+    import torch
+
+    from ..format.checks import ACT_DTYPES, check_tensor
+
+    check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
+    t, h = x.shape
+    w_sf, i, r = check_gate_up_bank(w13_codes, w13_scales, w13_dec, h, activation, align, t, "x")
+    if out is None:
+        out = torch.empty((r, i), dtype=x.dtype, device=x.device)
+    check_tensor("out", out, dtype=x.dtype, shape=[r, i], last_dim_contiguous=True)
+    return w_sf, h, i, r, out
+
+
+def check_w4a16_down_inputs(inter, w2_codes, w2_scales, w2_dec, topk_weights, align, out, deterministic):
+    """The W4A16 down launchers' argument checks (Triton and Gluon): ``(w2 scales as e4m3, H, I, routes)``."""
+    from ..format.checks import ACT_DTYPES, check_tensor
+
+    r = align.num_routes
+    check_tensor("inter", inter, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
+    w_sf, _, h, i = check_bank("w2", w2_codes, w2_scales, w2_dec, None, inter.shape[1])
+    check_tensor("inter", inter, shape=[r, i])
+    _check_down_out(topk_weights, align, out, deterministic, h)
+    return w_sf, h, i, r
+
+
+def check_w4a4_gate_up_inputs(a_codes, a_scales, w13_codes, w13_scales, w13_dec, align, activation, out_codes,
+                              out_scales):
+    """The W4A4 gate_up launchers' argument checks (Triton and Gluon); allocates the FP4 intermediate if not given.
+
+    Returns ``(w13 scales as e4m3, H, I, routes, out_codes, out_scales)``.
+    """
+    import torch
+
+    from ..format.checks import check_tensor
+
+    check_tensor("a_codes", a_codes, dtype=torch.uint8, ndim=2, last_dim_contiguous=True)
+    t, hh = a_codes.shape
+    h = 2 * hh
+    check_tensor("a_scales", a_scales, dtype=(torch.uint8, torch.float8_e4m3fn), shape=[t, h // 16],
+                 last_dim_contiguous=True)
+    w_sf, i, r = check_gate_up_bank(w13_codes, w13_scales, w13_dec, h, activation, align, t, "a_codes")
+    if out_codes is None:
+        out_codes = torch.empty((r, i // 2), dtype=torch.uint8, device=a_codes.device)
+    if out_scales is None:
+        out_scales = torch.empty((r, i // 16), dtype=torch.uint8, device=a_codes.device)
+    check_tensor("out_codes", out_codes, dtype=torch.uint8, shape=[r, i // 2], last_dim_contiguous=True)
+    check_tensor("out_scales", out_scales, dtype=torch.uint8, shape=[r, i // 16], last_dim_contiguous=True)
+    return w_sf, h, i, r, out_codes, out_scales
+
+
+def check_w4a4_down_inputs(a_codes, a_scales, w2_codes, w2_scales, w2_dec, topk_weights, align, out, deterministic):
+    """The W4A4 down launchers' argument checks (Triton and Gluon): ``(w2 scales as e4m3, H, I, routes)``."""
+    import torch
+
+    from ..format.checks import check_tensor
+
+    r = align.num_routes
+    check_tensor("a_codes", a_codes, dtype=torch.uint8, ndim=2, last_dim_contiguous=True)
+    i = 2 * a_codes.shape[1]
+    check_tensor("a_codes", a_codes, shape=[r, i // 2])
+    check_tensor("a_scales", a_scales, dtype=(torch.uint8, torch.float8_e4m3fn), shape=[r, i // 16],
+                 last_dim_contiguous=True)
+    w_sf, _, h, _ = check_bank("w2", w2_codes, w2_scales, w2_dec, None, i)
+    _check_down_out(topk_weights, align, out, deterministic, h)
+    return w_sf, h, i, r
