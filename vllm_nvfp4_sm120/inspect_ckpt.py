@@ -572,13 +572,14 @@ def _moe_shape(linears: list[Linear], text: dict, source: Path, problems: list[s
 
 def _route_notes(linears: list[Linear]) -> list[str]:
     """Shapes a W4A4 route taken by name refuses (per layer, with a log line; vLLM's choice runs those)."""
-    from .kernels.fp4_routes import cublas_refusal
+    from .dispatch.hw import SM120_REFERENCE
+    from .dispatch.vendor import cublas_refusal
 
     # K % 16 != 0 is a problem of its own (no kernel runs it).
     shapes = [s for s in runtime_shapes([lin for lin in linears if lin.scheme == W4A4]) if s[2] % BLOCK_SIZE == 0]
     # The shape limits only: an sm_120 GPU with a CUDA build that has cuBLAS FP4.
     refused = [(kind, n, k, why) for kind, n, k in shapes
-               if (why := cublas_refusal((12, 0), n, k, cuda_version="12.8")) is not None]
+               if (why := cublas_refusal(SM120_REFERENCE, n, k, cuda_version="12.8")) is not None]
     if not refused:
         return []
     kind, n, k, why = refused[0]
