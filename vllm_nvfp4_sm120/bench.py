@@ -1,6 +1,9 @@
-"""Kernel benchmarks on the GPU present: ``python -m vllm_nvfp4_sm120.bench linear|ceilings [options]``.
+"""Benchmarks on the GPU present: ``python -m vllm_nvfp4_sm120.bench WHAT [options]`` (``--help`` lists WHAT).
 
-Runs without vLLM (the H200 used for measurements has none).  Method, so the numbers can be trusted:
+The one bench entry point: ``linear``, ``moe``, ``act_quant``, the ``sweep_*`` runs and ``ceilings`` time our
+kernels and run without vLLM (the H200 used for measurements has none); ``compare`` times them next to vLLM's
+NVFP4 kernel classes (when vLLM is importable) and is what ``vllm-nvfp4-sm120 bench`` runs.  Method, so the
+numbers can be trusted:
 - every candidate is timed side by side in one process, on the same inputs, as a median over repeats;
 - each weight is replicated into ``copies`` distinct buffers totalling ≥ ``--min-bytes`` (2 GB), and one timed
   run calls the kernel once per copy, so every call reads its weight from DRAM, not from the 50 MB L2;
@@ -14,12 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
-from .format import NvFp4, random_nvfp4, unit_values
+from .format import GlobalScale, NvFp4, random_nvfp4, unit_values
 
 MODELS = {  # (name, N, K) of the linears of one decoder layer, unsharded
     "qwen3-32b": [("qkv", 10240, 5120), ("o", 5120, 8192), ("gate_up", 51200, 5120), ("down", 5120, 25600)],
@@ -313,8 +318,8 @@ def bench_moe(shapes: list[str], tokens: list[int]) -> list[Row]:
                     x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, a13_enc=enc, a2_enc=enc),
                 "cublas-bf16 same FLOPs (ceiling)": lambda: (a @ wg.t(), a2 @ wd.t()),
             }
-            # Issue 8's proxy comparison: the same work on the Gluon GEMMs with their sm_120 tiles (W4A4: the
-            # block-scaled MMA emulated by decode + bf16 MMA below sm_120, not representative for speed).
+            # A proxy for sm_120: the same work on the Gluon GEMMs with their sm_120 tiles (W4A4: the block-scaled
+            # MMA emulated by decode + bf16 MMA below sm_120, so not representative for speed).
             gluon = {w4a4: as_gluon(plan_for(x, w13.codes, w2.codes, ti, w4a4=w4a4), i) for w4a4 in (False, True)}
             if gluon[False] is not None:
                 candidates["ours-w4a16 gluon"] = lambda: nvfp4_moe(
@@ -340,37 +345,383 @@ def _fmt(r: Row) -> str:
             f"{r.tflops:8.1f} TFLOP/s {r.read_tbs:6.2f} TB/s {r.note}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m vllm_nvfp4_sm120.bench")
-    p.add_argument("what", choices=["linear", "moe", "act_quant", "sweep_gemv", "sweep_dequant_mm", "ceilings"])
-    p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    p.add_argument("--kernels", default="w4a16,gluon,w4a4,cublas-bf16,naive")
-    p.add_argument("--min-bytes", type=float, default=2e9)
-    p.add_argument("--json", help="write rows as JSON here")
-    args = p.parse_args(argv)
+# ---- compare: our kernels next to vLLM's NVFP4 kernels and cuBLAS bf16 (``vllm-nvfp4-sm120 bench``)-----------------
+
+# vLLM 0.33's NVFP4 linear kernel classes we time (``vllm.model_executor.kernels.linear``), by short name:
+# (label, class name, needs activation scales).  Each is used through its public class API
+# (``process_weights_after_loading`` + ``apply_weights``), i.e. exactly what a vLLM layer runs.
+VLLM_LINEAR_KERNELS = (
+    ("vllm-cutlass", "CutlassNvFp4LinearKernel", True),
+    ("vllm-flashinfer-cutlass", "FlashInferCutlassNvFp4LinearKernel", True),
+    ("vllm-flashinfer-b12x", "FlashInferB12xNvFp4LinearKernel", True),
+    ("vllm-b12x", "B12xNvFp4LinearKernel", True),
+    ("vllm-flashinfer-cute-dsl-w4a16", "FlashInferCuteDslNvFp4W4A16LinearKernel", False),
+    ("vllm-b12x-w4a16", "B12xNvFp4W4A16LinearKernel", False),
+    ("vllm-marlin", "MarlinNvFp4LinearKernel", False),
+    ("vllm-emulation", "EmulationNvFp4LinearKernel", True),
+)
+COMPARE_GROUPS = ("ours", "vllm", "cublas")
+
+
+def _progress(total: int, desc: str):
+    """tqdm when installed (vLLM brings it), else a plain counter on stderr (the H200 image may lack tqdm)."""
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit="run", file=sys.stderr)
+    except ImportError:
+        class _Plain:
+            n = 0
+
+            def update(self, k=1):
+                self.n += k
+                print(f"\r{desc}: {self.n}/{total}", end="", file=sys.stderr, flush=True)
+
+            def set_postfix_str(self, s):
+                pass
+
+            def close(self):
+                print(file=sys.stderr)
+
+        return _Plain()
+
+
+def _require_matplotlib():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        return plt
+    except ImportError:
+        return None
+
+
+def bench_shapes(args: argparse.Namespace) -> tuple[list[tuple[str, str, int, int]], bool | None]:
+    """``[(model, layer, N, K), ...]`` from ``--checkpoint`` (via inspect) or the built-in ``--models``.
+
+    Also returns the checkpoint's W4A4-ness (None for the built-in list: both kinds are timed).
+    """
+    if args.checkpoint:
+        from .inspect_ckpt import inspect_checkpoint
+
+        r = inspect_checkpoint(args.checkpoint)
+        name = Path(args.checkpoint).name
+        return [(name, kind, n, k) for kind, n, k in r.runtime_shapes], r.quant.scheme != "W4A16"
+    unknown = [m for m in args.models.split(",") if m not in MODELS]
+    if unknown:
+        raise ValueError(f"--models: unknown {unknown}; built in: {', '.join(MODELS)}")
+    return [(m, layer, n, k) for m in args.models.split(",") for layer, n, k in MODELS[m]], None
+
+
+def _vllm_layer(codes, scales, w_dec, in_dec, n: int, k: int):
+    """A stand-in for a vLLM linear layer after the checkpoint is loaded (what a kernel class reads)."""
+    p = lambda t: torch.nn.Parameter(t, requires_grad=False)  # noqa: E731
+    layer = torch.nn.Module()
+    layer.weight = p(codes.clone())
+    layer.weight_scale = p(scales.clone())
+    layer.weight_global_scale = p(w_dec.clone())
+    if in_dec is not None:
+        layer.input_global_scale = p(in_dec.clone())
+        layer.input_global_scale_inv = p(GlobalScale.from_decode(in_dec).enc)
+        layer.alpha = p((in_dec * w_dec).to(torch.float32))
+    layer.input_size_per_partition, layer.output_size_per_partition = k, n
+    layer.input_size, layer.output_size, layer.logical_widths = k, n, [n]
+    layer.params_dtype = torch.bfloat16
+    return layer
+
+
+def vllm_kernel_factories(w4a4: bool | None) -> tuple[dict[str, tuple[type, bool]], dict[str, str]]:
+    """``({label: (class, w4a4)}, {label: why skipped})`` for vLLM's kernels that can run on this GPU."""
+    skipped: dict[str, str] = {}
+    try:
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.model_executor.kernels import linear as L
+        from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearLayerConfig
+    except Exception as e:  # vLLM absent (the H200 image) or broken
+        return {}, {label: f"vLLM not importable ({type(e).__name__}: {e})" for label, _, _ in VLLM_LINEAR_KERNELS}
+    usable = {}
+    with set_current_vllm_config(VllmConfig()):
+        for label, cls_name, needs_act in VLLM_LINEAR_KERNELS:
+            if w4a4 is not None and needs_act != w4a4 and label != "vllm-emulation":
+                skipped[label] = "not for this checkpoint's scheme"
+                continue
+            cls = getattr(L, cls_name, None)
+            if cls is None:
+                skipped[label] = f"{cls_name} not in this vLLM"
+                continue
+            try:
+                ok, why = cls.is_supported()
+                if ok:
+                    ok, why = cls.can_implement(NvFp4LinearLayerConfig())
+            except Exception as e:
+                ok, why = False, f"{type(e).__name__}: {e}"
+            if not ok:
+                skipped[label] = why or "is_supported() is False"
+                continue
+            usable[label] = (cls, needs_act)
+    return usable, skipped
+
+
+def run_compare(args: argparse.Namespace) -> dict:
+    """Time every candidate for every (shape, T); returns ``{"device", "ceilings", "rows", "skipped"}``."""
+    from .dispatch.hw import capability_of
+    from .dispatch.linear import select_linear
+    from .dispatch.registry import LINEAR_KERNELS
+
+    shapes, ckpt_w4a4 = bench_shapes(args)
     tokens = [int(t) for t in args.tokens.split(",")]
+    groups = set(args.kernels.split(","))
+    cap = capability_of(torch.device("cuda"))
+    vllm_kernels, skipped = vllm_kernel_factories(ckpt_w4a4) if "vllm" in groups else ({}, {})
+    ceilings = {"dram_read_tbs": dram_read_tbs(), "cublas_bf16_tflops_8192": cublas_bf16_tflops()}
+    gen = torch.Generator().manual_seed(0)
+    rows: list[Row] = []
+    bar = _progress(len(shapes) * len(tokens), "bench compare")
+    w_dec, in_dec = torch.tensor(0.01, device="cuda"), torch.tensor(0.01, device="cuda")
+    for model, layer, n, k in shapes:
+        wbytes = n * k // 2 + n * k // 16
+        copies = max(1, -(-int(args.min_bytes) // wbytes))  # every call reads its weight from DRAM, not L2
+        base = random_nvfp4((n, k), gen=gen, device="cuda")
+        ws = [base] + [NvFp4(base.codes.clone(), base.scales.clone()) for _ in range(copies - 1)]
+        dec_rows = w_dec.expand(n).contiguous()
+        in_enc, alpha = GlobalScale.from_decode(in_dec).enc, in_dec * w_dec
+        vlayers: dict[str, list] = {}
+        for label, (cls, needs_act) in vllm_kernels.items():
+            try:
+                from vllm.config import VllmConfig, set_current_vllm_config
+                from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearLayerConfig
+
+                with set_current_vllm_config(VllmConfig()):
+                    built = []
+                    for w in ws:
+                        kern = cls(NvFp4LinearLayerConfig())
+                        lay = _vllm_layer(w.codes, w.scales, w_dec, in_dec if needs_act else None, n, k)
+                        kern.process_weights_after_loading(lay)
+                        built.append((kern, lay))
+                vlayers[label] = built
+            except Exception as e:
+                skipped[f"{label} ({layer} {n}x{k})"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        w_bf16 = None
+        if "cublas" in groups:
+            wb = unit_values(base.codes, base.scales).to(torch.bfloat16)
+            w_bf16 = [wb] + [wb.clone() for _ in range(max(1, -(-int(args.min_bytes) // (2 * n * k))) - 1)]
+        for t in tokens:
+            x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
+            cands: dict[str, tuple[Callable[[], object], int, int]] = {}  # name -> (fn, calls, bytes per call)
+            if "ours" in groups:
+                routes = {"triton": ckpt_w4a4 is not False, "w4a16": True}
+                for route, wanted in routes.items():
+                    if not wanted:
+                        continue
+                    plan = select_linear(cap, route, t, n, k)
+                    fn = LINEAR_KERNELS[plan.kernel]
+                    cands[f"ours-{route} ({plan.kernel})"] = (
+                        lambda fn=fn, plan=plan: [fn(x, w.codes, w.scales, dec_rows, None, in_enc, alpha, None,
+                                                     **plan.kwargs) for w in ws], copies, wbytes)
+            for label, built in vlayers.items():
+                cands[label] = (lambda built=built: [kern.apply_weights(lay, x) for kern, lay in built], copies, wbytes)
+            if w_bf16 is not None:
+                cands["cublas-bf16"] = (lambda: [x @ w.t() for w in w_bf16], len(w_bf16), 2 * n * k)
+            for name, (fn, calls, nbytes) in cands.items():
+                bar.set_postfix_str(f"{layer} {n}x{k} T={t} {name}"[:60])
+                try:
+                    sec = time_graph(fn, repeats=args.repeats) / calls
+                except Exception as e:
+                    skipped[f"{name} ({layer} {n}x{k} T={t})"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    torch.cuda.synchronize()
+                    continue
+                rows.append(Row(model, layer, n, k, t, name, sec * 1e6, 2 * t * n * k / sec / 1e12, nbytes / sec / 1e12))
+            bar.update(1)
+        del ws, vlayers, w_bf16
+        torch.cuda.empty_cache()
+    bar.close()
+    return {"device": f"{torch.cuda.get_device_name()} ({cap.name})", "torch": torch.__version__,
+            "ceilings": ceilings, "rows": [asdict(r) for r in rows], "skipped": skipped}
+
+
+def speedups(rows: list[dict]) -> list[dict]:
+    """Per (model, layer, T): our best kernel against vLLM's best NVFP4 kernel and against cuBLAS bf16."""
+    by_key: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        by_key.setdefault((r["model"], r["layer"], r["n"], r["k"], r["t"]), {})[r["kernel"]] = r["us"]
+    out = []
+    for (model, layer, n, k, t), us in by_key.items():
+        ours = {kk: v for kk, v in us.items() if kk.startswith("ours")}
+        vllm = {kk: v for kk, v in us.items() if kk.startswith("vllm-") and kk != "vllm-emulation"}
+        best_ours = min(ours.items(), key=lambda kv: kv[1]) if ours else None
+        best_vllm = min(vllm.items(), key=lambda kv: kv[1]) if vllm else None
+        out.append(dict(
+            model=model, layer=layer, n=n, k=k, t=t,
+            ours=best_ours[0] if best_ours else None, ours_us=best_ours[1] if best_ours else None,
+            vllm=best_vllm[0] if best_vllm else None, vllm_us=best_vllm[1] if best_vllm else None,
+            cublas_us=us.get("cublas-bf16"),
+            vs_vllm=best_vllm[1] / best_ours[1] if best_ours and best_vllm else None,
+            vs_cublas=us["cublas-bf16"] / best_ours[1] if best_ours and "cublas-bf16" in us else None,
+        ))
+    return out
+
+
+def format_bench_table(result: dict) -> str:
+    rows = result["rows"]
+    kernels = list(dict.fromkeys(r["kernel"] for r in rows))
+    lines = [f"# {result['device']}  torch {result['torch']}  DRAM read {result['ceilings']['dram_read_tbs']:.2f} TB/s, "
+             f"cuBLAS bf16 {result['ceilings']['cublas_bf16_tflops_8192']:.0f} TFLOP/s",
+             "# microseconds per call (weight read from DRAM); speedup = best vLLM NVFP4 kernel (or cuBLAS bf16) / ours"]
+    head = f"{'model':14} {'layer':8} {'N':>6} {'K':>6} {'T':>5} " + " ".join(f"{k[:24]:>24}" for k in kernels)
+    lines.append(head + f" {'vs vLLM':>8} {'vs bf16':>8}")
+    sp = {(s["model"], s["layer"], s["n"], s["k"], s["t"]): s for s in speedups(rows)}
+    us = {(r["model"], r["layer"], r["n"], r["k"], r["t"], r["kernel"]): r["us"] for r in rows}
+    for key, s in sp.items():
+        cells = " ".join(f"{us[(*key, kk)]:24.1f}" if (*key, kk) in us else f"{'-':>24}" for kk in kernels)
+        fmt = lambda v: f"{v:7.2f}x" if v else f"{'-':>8}"  # noqa: E731
+        lines.append(f"{key[0][:14]:14} {key[1][:8]:8} {key[2]:6} {key[3]:6} {key[4]:5} {cells} "
+                     f"{fmt(s['vs_vllm'])} {fmt(s['vs_cublas'])}")
+    if result["skipped"]:
+        lines.append("# not run:")
+        lines += [f"#   {k}: {v}" for k, v in result["skipped"].items()]
+    return "\n".join(lines)
+
+
+def plot_speedups(result: dict, path: str, plt) -> None:
+    sp = speedups(result["rows"])
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharex=True)
+    for ax, key, title in ((axes[0], "vs_vllm", "ours vs vLLM's best NVFP4 kernel"),
+                           (axes[1], "vs_cublas", "ours vs cuBLAS bf16")):
+        series: dict[str, list[tuple[int, float]]] = {}
+        for s in sp:
+            if s[key]:
+                series.setdefault(f"{s['model']} {s['layer']} {s['n']}x{s['k']}", []).append((s["t"], s[key]))
+        for label, pts in series.items():
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens (T)")
+        ax.set_ylabel("speedup (x)")
+        ax.set_title(title)
+        if series:
+            ax.legend(fontsize=7)
+    fig.suptitle(result["device"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+
+
+def emit_json(data, dest: str) -> None:
+    """``data`` as JSON to the file ``dest`` (``-``: stdout); every tool's ``--json`` writes through here."""
+    text = json.dumps(data, indent=2, default=str)
+    if dest == "-":
+        print(text)
+    else:
+        Path(dest).write_text(text)
+        print(f"JSON written to {dest}")
+
+
+def compare(args: argparse.Namespace) -> int:
+    """``bench compare`` (the CLI's ``bench``): argument checks that need no GPU first, then the table."""
+    from .inspect_ckpt import CheckpointError
+
+    unknown = set(args.kernels.split(",")) - set(COMPARE_GROUPS)
+    if unknown:
+        print(f"error: --kernels: unknown {sorted(unknown)}; choose from {','.join(COMPARE_GROUPS)}", file=sys.stderr)
+        return 2
+    plt = None
+    if args.plot:
+        plt = _require_matplotlib()
+        if plt is None:
+            print("error: --plot needs matplotlib, which is not installed (pip install matplotlib); "
+                  "run without --plot, or with --json and plot later", file=sys.stderr)
+            return 2
+    try:
+        bench_shapes(args)  # validate the shapes source before asking for a GPU
+    except (CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("error: bench needs a CUDA GPU (none visible); `env` and `selftest` run without one", file=sys.stderr)
+        return 2
+    result = run_compare(args)
+    print(format_bench_table(result))
+    if args.json:
+        emit_json(dict(result, speedups=speedups(result["rows"])), args.json)
+    if plt is not None:
+        plot_speedups(result, args.plot, plt)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def add_compare_args(p: argparse.ArgumentParser) -> None:
+    """The options of ``compare``; the CLI's ``bench`` subcommand is built from the same function."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", metavar="DIR", help="time the linear shapes of this checkpoint")
+    src.add_argument("--models", default=",".join(MODELS), help=f"built-in shape lists: {', '.join(MODELS)}")
+    p.add_argument("--tokens", default="1,4,16,64,256,2048,8192", help="batch sizes T")
+    p.add_argument("--kernels", default=",".join(COMPARE_GROUPS), help=f"groups: {','.join(COMPARE_GROUPS)}")
+    p.add_argument("--min-bytes", type=float, default=2e9, help="weight bytes per timed run (defeats the L2)")
+    p.add_argument("--repeats", type=int, default=20, help="graph replays per measurement (median)")
+    p.add_argument("--plot", metavar="PNG", help="write a speedup-vs-tokens plot (needs matplotlib)")
+    p.add_argument("--json", metavar="PATH", help="write rows, speedups and skips as JSON ('-': stdout)")
+    p.set_defaults(func=compare)
+
+
+# ---- the kernel benchmarks (no vLLM)--------------------------------------------------------------------------------
+
+KERNEL_BENCHES = {  # name: (help, default --models, default --tokens)
+    "linear": ("our linear kernels at every T, next to cuBLAS bf16", ",".join(MODELS), TOKENS),
+    "moe": ("the whole MoE layer, next to cuBLAS bf16 on the same FLOPs", ",".join(MOE_SHAPES), MOE_TOKENS),
+    "act_quant": ("the activation quantizer at the K of the built-in models", ",".join(MODELS), TOKENS),
+    "sweep_gemv": ("every tile of the Triton W4A16 decode kernel (data for the dispatch rules)", ",".join(MODELS),
+                   TOKENS),
+    "sweep_dequant_mm": ("dequant + cuBLAS chunk sizes around the dispatch rule's", ",".join(MODELS), TOKENS),
+    "ceilings": ("the DRAM read bandwidth and cuBLAS bf16 rate only", ",".join(MODELS), TOKENS),
+}
+
+
+def run_kernel_bench(args: argparse.Namespace) -> int:
+    models, tokens, min_bytes = args.models.split(","), [int(t) for t in args.tokens.split(",")], int(args.min_bytes)
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     ceil = {"dram_read_tbs": dram_read_tbs(), "cublas_bf16_tflops_8192": cublas_bf16_tflops()}
     print(f"# ceilings: DRAM read {ceil['dram_read_tbs']:.2f} TB/s, cuBLAS bf16 8192^3 "
           f"{ceil['cublas_bf16_tflops_8192']:.0f} TFLOP/s", flush=True)
     rows: list[Row] = []
     if args.what == "linear":
-        rows = bench_linear(args.models.split(","), tokens, int(args.min_bytes), args.kernels.split(","))
+        rows = bench_linear(models, tokens, min_bytes, args.kernels.split(","))
     elif args.what == "moe":
-        rows = bench_moe(args.models.split(",") if args.models != ",".join(MODELS) else list(MOE_SHAPES),
-                         [int(t) for t in args.tokens.split(",")] if args.tokens != ",".join(map(str, TOKENS))
-                         else list(MOE_TOKENS))
+        rows = bench_moe(models, tokens)
     elif args.what == "sweep_dequant_mm":
-        rows = sweep_dequant_mm(args.models.split(","), tokens)
+        rows = sweep_dequant_mm(models, tokens)
     elif args.what == "sweep_gemv":
-        rows = sweep_w4a16_gemv(args.models.split(","), tokens, int(args.min_bytes))
+        rows = sweep_w4a16_gemv(models, tokens, min_bytes)
     elif args.what == "act_quant":
         rows = bench_act_quant([5120, 8192, 25600, 28672], tokens)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"ceilings": ceil, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        emit_json({"ceilings": ceil, "rows": [asdict(r) for r in rows]}, args.json)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m vllm_nvfp4_sm120.bench", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="what", required=True, metavar="WHAT")
+    add_compare_args(sub.add_parser("compare", help="our kernels vs vLLM's NVFP4 kernels (where vLLM imports) and "
+                                                    "cuBLAS bf16 (the CLI's `bench`)"))
+    for what, (help_, models, tokens) in KERNEL_BENCHES.items():
+        b = sub.add_parser(what, help=help_)
+        b.add_argument("--models", default=models, help="comma list of built-in shapes")
+        b.add_argument("--tokens", default=",".join(map(str, tokens)), help="batch sizes T")
+        b.add_argument("--kernels", default="w4a16,gluon,w4a4,cublas-bf16,naive", help="candidates (linear)")
+        b.add_argument("--min-bytes", type=float, default=2e9, help="weight bytes per timed run (defeats the L2)")
+        b.add_argument("--json", metavar="PATH", help="write rows as JSON ('-': stdout)")
+        b.set_defaults(func=run_kernel_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

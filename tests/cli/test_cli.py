@@ -11,7 +11,7 @@ import torch
 from cli_common import problem_lines
 from cli_common import run_cli as run
 
-from vllm_nvfp4_sm120 import cli
+from vllm_nvfp4_sm120 import bench
 
 NO_GPU = not torch.cuda.is_available()
 
@@ -125,6 +125,16 @@ def test_bench_rejects_bad_arguments(tiny, tmp_path, capsys):
     assert code == 2 and "missing" in err
 
 
+def test_bench_is_the_bench_modules_compare(capsys):
+    """One entry point: the CLI's ``bench`` is ``python -m vllm_nvfp4_sm120.bench compare``, same checks."""
+    assert bench.main(["compare", "--kernels", "ours,magic"]) == 2
+    assert "magic" in capsys.readouterr().err
+    args = bench.build_parser().parse_args(["moe"])  # each kernel bench has its own shapes and token counts
+    assert args.models == ",".join(bench.MOE_SHAPES) and args.tokens == ",".join(map(str, bench.MOE_TOKENS))
+    args = bench.build_parser().parse_args(["linear", "--models", "qwen3-32b"])
+    assert args.func is bench.run_kernel_bench and args.models == "qwen3-32b"
+
+
 @pytest.mark.skipif(not NO_GPU, reason="checks the CPU-only message")
 def test_bench_needs_a_gpu(tiny, capsys):
     code, _, err = run(capsys, "bench", "--checkpoint", str(tiny[("modelopt", "w4a4")]))
@@ -132,7 +142,7 @@ def test_bench_needs_a_gpu(tiny, capsys):
 
 
 def test_bench_plot_without_matplotlib_is_a_clear_error(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_require_matplotlib", lambda: None)
+    monkeypatch.setattr(bench, "_require_matplotlib", lambda: None)
     code, _, err = run(capsys, "bench", "--plot", "x.png")
     assert code == 2 and "pip install matplotlib" in err
 
@@ -143,10 +153,10 @@ def test_bench_table_and_speedups_from_rows():
                                 (1, "cublas-bf16", 6.0), (1, "vllm-emulation", 1.0), (64, "ours-triton (w4a4_triton)", 3.0)]]
     result = dict(device="GPU (sm_120)", torch="x", ceilings=dict(dram_read_tbs=1.5, cublas_bf16_tflops_8192=200.0),
                   rows=rows, skipped={"vllm-b12x": "not supported"})
-    sp = {s["t"]: s for s in cli.speedups(rows)}
+    sp = {s["t"]: s for s in bench.speedups(rows)}
     assert sp[1]["vllm"] == "vllm-marlin" and sp[1]["vs_vllm"] == 2.0 and sp[1]["vs_cublas"] == 3.0  # emulation excluded
     assert sp[64]["vs_vllm"] is None
-    table = cli.format_bench_table(result)
+    table = bench.format_bench_table(result)
     assert "2.00x" in table and "3.00x" in table and "vllm-b12x: not supported" in table
 
 
