@@ -55,7 +55,7 @@ def test_gluon_gemv_only_on_sm120_and_sm90():
     assert select_linear(SM80, "triton", 1, 5120, 5120).kernel == "w4a16_gemv"
 
 
-def test_b12x_and_cublas_thresholds_from_issue():
+def test_b12x_and_cublas_small_t_thresholds():
     assert small_t_threshold(SM120, "b12x") == 8
     assert small_t_threshold(SM120, "cublas") == 16
 

@@ -8,8 +8,8 @@ Note vLLM's conventions: ``ref_nvfp4_quant`` takes the *encode* global, ``dequan
 import pytest
 import torch
 
-# The GPU machine used for kernel proofs has no vLLM (and tests/vllm would shadow it as a namespace package
-# there, hence the submodule); CI installs it and tests/test_readme.py checks that it imports.
+# The GPU machine used for kernel proofs has no vLLM (the submodule, not a bare `vllm`, so that no namespace
+# package of that name can pass for it); CI installs it and tests/test_readme.py checks that it imports.
 pytest.importorskip("vllm.model_executor", reason="vLLM is not installed (the cross-checks need vLLM 0.33.0)")
 
 from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (  # noqa: E402

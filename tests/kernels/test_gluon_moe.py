@@ -4,7 +4,7 @@ Gluon cannot run in the interpreter, so the CPU half is the compile proof of eve
 to (TMA in the loader, ``setmaxnreg`` for the register split, mma.sync + ldmatrix, no local memory, shared
 memory <= 99 KB) plus the launchers' argument checks.  The GPU half (H200, Triton 3.8: TMA, mbarrier,
 warp_specialize and mma_v2 all run there; the e2m1 decode is the exact portable table instead of sm_120's cvt)
-runs the full MoE layer on two shapes of issue 5 with T in {0, 3, 64, 512}, uniform and skewed routing.
+runs the full MoE layer on two of the benchmarked MoE shapes with T in {0, 3, 64, 512}, uniform and skewed routing.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from vllm_nvfp4_sm120.kernels import gluon_moe_w4a16 as g16
 from vllm_nvfp4_sm120.kernels.aot import PTX_TMA_LOAD, compile_kernel
 
 # ------------------------------------------------------------------------------------------------------------
-# Tiles: what the lead's dispatch should route to on sm_120 (BLOCK_M 64 / 128; persistent BLOCK_M 64, 3 stages).
+# Tiles: what the dispatch routes to on sm_120 (BLOCK_M 64 / 128; persistent BLOCK_M 64, 3 stages).
 # ------------------------------------------------------------------------------------------------------------
 # name: (block_m, gate_up block_n, down block_n, block_k, mma warps, stages, persistent)
 W4A16_TILES = {
@@ -172,7 +172,7 @@ def test_w4a16_pointer_loader_fp16_gelu_deterministic(tile):
 @pytest.mark.parametrize("m", [64, 256], ids=["64-per-expert", "256-per-expert"])
 @pytest.mark.parametrize("name", ["qwen3-235b-a22b", "deepseek-v3", "qwen3-next-80b"])
 def test_w4a16_dispatch_tiles_real_shapes(name, m):
-    # The sm_120 dispatch's Gluon plan for the other checkpoints of issue 5 at BLOCK_M 64 and 128.
+    # The sm_120 dispatch's Gluon plan for the other benchmarked MoE checkpoints at BLOCK_M 64 and 128.
     from vllm_nvfp4_sm120.dispatch.hw import Capability
     from vllm_nvfp4_sm120.dispatch.moe import as_gluon, select_moe_plan
     from vllm_nvfp4_sm120.format import moe_ref

@@ -266,7 +266,7 @@ def _tile_of(plan) -> str:
 @pytest.mark.parametrize("m", [64, 256], ids=["64-per-expert", "256-per-expert"])
 @pytest.mark.parametrize("name", ["qwen3-235b-a22b", "deepseek-v3", "qwen3-next-80b"])
 def test_w4a4_dispatch_tiles_real_shapes(name, m):
-    # The sm_120 dispatch's Gluon plan for the other checkpoints of issue 5 at BLOCK_M 64 and 128 (Qwen3-Next:
+    # The sm_120 dispatch's Gluon plan for the other benchmarked MoE checkpoints at BLOCK_M 64 and 128 (Qwen3-Next:
     # I = 512, so its persistent down GEMM runs with epilogue warps), against the references.
     from vllm_nvfp4_sm120.dispatch.hw import Capability
     from vllm_nvfp4_sm120.dispatch.moe import as_gluon, select_moe_plan

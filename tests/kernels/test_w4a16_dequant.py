@@ -14,8 +14,9 @@ coin toss over 10^8 outputs rather than a proof.
 
 CPU: the interpreter runs the dequant kernel (pure-``tl`` decode and integer bf16 rounding; the interpreter's own
 fp32 -> bf16 cast truncates) and torch's CPU matmul does the GEMMs.  GPU (``-m gpu``, the H200): the real shapes of
-issue 3 at T = 256 and 2048, fast decode on and off, with cuBLAS's reduced-precision split-K reductions disabled
-(torch allows them by default; they would add bf16/fp16 roundings of partial sums that no fp32 bound covers).
+the benchmarked models at T = 256 and 2048, fast decode on and off, with cuBLAS's reduced-precision split-K
+reductions disabled (torch allows them by default; they would add bf16/fp16 roundings of partial sums that no fp32
+bound covers).
 """
 
 import functools
@@ -290,7 +291,7 @@ def test_dequant_k_tail_compiles_for_sm120():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# GPU: the real shapes of issue 3 (the H200 runs these)
+# GPU: the real shapes of the benchmarked models (the H200 runs these)
 # ---------------------------------------------------------------------------------------------------------------
 
 REAL_SHAPES = {  # name: (N, K)

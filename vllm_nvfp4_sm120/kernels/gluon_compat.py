@@ -1,8 +1,8 @@
 """Everything that differs between the Triton versions our Gluon kernels meet, in one place.
 
 vLLM 0.33 pins Triton 3.8.0; the H200 proof machine ships 3.6 (a 3.8 wheel is carried there, see DEVELOPERS.md);
-3.9 is the next wheel.  Gluon is experimental and its API moved between them
-(../shared/notes/triton-gluon-sm120.md §3.2):
+3.9 is the next wheel.  Gluon is experimental and its API moved between them (read from each wheel's
+``triton/experimental/gluon`` sources):
 
   warp_specialize   3.6: (functions_and_args, worker_num_warps, worker_num_regs)  -- regs required
                     3.7+: worker_num_regs optional

@@ -5,7 +5,7 @@ sm_100 only, and Gluon skips the Triton passes that lower ``tl.dot_scaled``.  Bu
 ``tt.dot_scaled`` with an ``mma`` v2 accumulator, kWidth-4 dot-operand ``i8`` operands and linear-layout scales,
 which the LLVM lowering turns into ``mma.sync.aligned.m16n8k64...kind::mxf4nvf4.block_scale.scale_vec::4X...ue4m3``
 (SASS ``OMMA.SF.16864...UE4M3.4X``).  ``mma_scaled_sm120`` builds exactly that op through the private
-``_semantic.dot_scaled`` (notes §3.4), and ``sm120_scaled_layouts`` gives the operand/scale layouts Triton's own
+``_semantic.dot_scaled`` (read from Triton's sources), and ``sm120_scaled_layouts`` gives the operand/scale layouts Triton's own
 ``ScaledBlockedToMMA`` would choose (a Python port of ``getSM120DotScaledScaleLayout``).  The CPU tests compile a
 Triton ``tl.dot_scaled`` kernel for sm_120 and check that its TTGIR layouts equal these, and that the Gluon
 kernel below emits the OMMA.
@@ -14,7 +14,7 @@ kernel below emits the OMMA.
 the instruction and the layouts, not the values; no sm_120 GPU has run this code.  It does not compile for sm_90
 (ptxas: "mma with block scale not supported"); the H200 tests use the decode + bf16 MMA path instead.
 
-Rules the caller must follow (sm_120 lowering limits, notes §2.1): K per call >= 64 elements (a [M, 32] byte
+Rules the caller must follow (limits of Triton's sm_120 lowering): K per call >= 64 elements (a [M, 32] byte
 operand); B packed along K (``[K/2, N]``, i.e. a row-major ``[N, K/2]`` weight viewed transposed); both scales
 given, e4m3, one per 16 elements; 2-D operands only (batched 3-D asserts in 3.8.0).
 """
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from .gluon_compat import DOT_SCALED_FORMAT_IS_CONSTEXPR, HAS_GLUON, TRITON_VERSION, gl, gluon
 
 NUMERICS_VERIFIED_ON_SM120 = False
-# Wheels whose sm_120 TTGIR/PTX for this op was inspected (notes §3.4).  Outside them the private API may differ.
+# Wheels whose sm_120 TTGIR/PTX for this op was inspected.  Outside them the private API may differ.
 TESTED_TRITON = ((3, 6), (3, 7), (3, 8), (3, 9))
 MIN_K = 64  # elements per call: K = 32 aborts Triton's sm_120 lowering
 
