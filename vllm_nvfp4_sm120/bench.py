@@ -415,6 +415,11 @@ def bench_shapes(args: argparse.Namespace) -> tuple[list[tuple[str, str, int, in
     return [(m, layer, n, k) for m in args.models.split(",") for layer, n, k in MODELS[m]], None
 
 
+def _why(e: Exception) -> str:
+    """An exception as one line for the table's "not run" list."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 def _vllm_layer(codes, scales, w_dec, in_dec, n: int, k: int):
     """A stand-in for a vLLM linear layer after the checkpoint is loaded (what a kernel class reads)."""
     p = lambda t: torch.nn.Parameter(t, requires_grad=False)  # noqa: E731
@@ -502,7 +507,7 @@ def run_compare(args: argparse.Namespace) -> dict:
                         built.append((kern, lay))
                 vlayers[label] = built
             except Exception as e:
-                skipped[f"{label} ({layer} {n}x{k})"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                skipped[f"{label} ({layer} {n}x{k})"] = _why(e)
         w_bf16 = None
         if "cublas" in groups:
             wb = unit_values(base.codes, base.scales).to(torch.bfloat16)
@@ -529,10 +534,11 @@ def run_compare(args: argparse.Namespace) -> dict:
                 try:
                     sec = time_graph(fn, repeats=args.repeats) / calls
                 except Exception as e:
-                    skipped[f"{name} ({layer} {n}x{k} T={t})"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    skipped[f"{name} ({layer} {n}x{k} T={t})"] = _why(e)
                     torch.cuda.synchronize()
                     continue
-                rows.append(Row(model, layer, n, k, t, name, sec * 1e6, 2 * t * n * k / sec / 1e12, nbytes / sec / 1e12))
+                rows.append(Row(model, layer, n, k, t, name, sec * 1e6, 2 * t * n * k / sec / 1e12,
+                                nbytes / sec / 1e12))
             bar.update(1)
         del ws, vlayers, w_bf16
         torch.cuda.empty_cache()
@@ -566,9 +572,11 @@ def speedups(rows: list[dict]) -> list[dict]:
 def format_bench_table(result: dict) -> str:
     rows = result["rows"]
     kernels = list(dict.fromkeys(r["kernel"] for r in rows))
-    lines = [f"# {result['device']}  torch {result['torch']}  DRAM read {result['ceilings']['dram_read_tbs']:.2f} TB/s, "
-             f"cuBLAS bf16 {result['ceilings']['cublas_bf16_tflops_8192']:.0f} TFLOP/s",
-             "# microseconds per call (weight read from DRAM); speedup = best vLLM NVFP4 kernel (or cuBLAS bf16) / ours"]
+    ceil = result["ceilings"]
+    lines = [f"# {result['device']}  torch {result['torch']}  DRAM read {ceil['dram_read_tbs']:.2f} TB/s, "
+             f"cuBLAS bf16 {ceil['cublas_bf16_tflops_8192']:.0f} TFLOP/s",
+             "# microseconds per call (weight read from DRAM); speedup = best vLLM NVFP4 kernel (or cuBLAS bf16) "
+             "/ ours"]
     head = f"{'model':14} {'layer':8} {'N':>6} {'K':>6} {'T':>5} " + " ".join(f"{k[:24]:>24}" for k in kernels)
     lines.append(head + f" {'vs vLLM':>8} {'vs bf16':>8}")
     sp = {(s["model"], s["layer"], s["n"], s["k"], s["t"]): s for s in speedups(rows)}

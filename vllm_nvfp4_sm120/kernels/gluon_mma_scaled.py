@@ -5,10 +5,10 @@ sm_100 only, and Gluon skips the Triton passes that lower ``tl.dot_scaled``.  Bu
 ``tt.dot_scaled`` with an ``mma`` v2 accumulator, kWidth-4 dot-operand ``i8`` operands and linear-layout scales,
 which the LLVM lowering turns into ``mma.sync.aligned.m16n8k64...kind::mxf4nvf4.block_scale.scale_vec::4X...ue4m3``
 (SASS ``OMMA.SF.16864...UE4M3.4X``).  ``mma_scaled_sm120`` builds exactly that op through the private
-``_semantic.dot_scaled`` (read from Triton's sources), and ``sm120_scaled_layouts`` gives the operand/scale layouts Triton's own
-``ScaledBlockedToMMA`` would choose (a Python port of ``getSM120DotScaledScaleLayout``).  The CPU tests compile a
-Triton ``tl.dot_scaled`` kernel for sm_120 and check that its TTGIR layouts equal these, and that the Gluon
-kernel below emits the OMMA.
+``_semantic.dot_scaled`` (read from Triton's sources), and ``sm120_scaled_layouts`` gives the operand/scale layouts
+Triton's own ``ScaledBlockedToMMA`` would choose (a Python port of ``getSM120DotScaledScaleLayout``).  The CPU
+tests compile a Triton ``tl.dot_scaled`` kernel for sm_120 and check that its TTGIR layouts equal these, and that
+the Gluon kernel below emits the OMMA.
 
 **Numerics await an sm_120 run** (``NUMERICS_VERIFIED_ON_SM120``; the CLI selftest checks it): compiling proves
 the instruction and the layouts, not the values; no sm_120 GPU has run this code.  It does not compile for sm_90

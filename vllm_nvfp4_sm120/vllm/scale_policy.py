@@ -1,7 +1,8 @@
 """Which global scales our kernels use, picked from what vLLM leaves on the layer (the math is ``format``'s).
 
 **Linears.**  By the time a kernel's ``process_weights_after_loading`` runs, vLLM has already merged the per-part
-globals of a fused layer (q/k/v, gate/up) into one ``layer.weight_global_scale`` (decode) and deleted the per-part tensor:
+globals of a fused layer (q/k/v, gate/up) into one ``layer.weight_global_scale`` (decode) and deleted the per-part
+tensor:
 
 * ModelOpt (``weight_scale_2``, decode): ``max`` of the parts, i.e. the largest decode;
 * compressed-tensors (``weight_global_scale``, encode): ``1 / max`` of the parts, i.e. the largest *encode* —
