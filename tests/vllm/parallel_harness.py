@@ -56,8 +56,9 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-class RankFailure(AssertionError):
-    """A task failed (raised, or did not answer in time) on at least one rank."""
+class RankFailure(RuntimeError):
+    """A task failed (raised, or did not answer in time) on at least one rank.  Not an ``AssertionError``, so a
+    test that expects an assertion to fail (``xfail(raises=AssertionError)``) does not pass on a broken rank."""
 
 
 def _rank_main(rank: int, world: int, port: int, tasks, results) -> None:

@@ -16,7 +16,6 @@ layers have no dense MLP, so the dense gate_up / down cases use expert 0's ``gat
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +28,13 @@ from parallel_harness import rank_and_world
 import nvfp4_layers as NL
 
 from vllm_nvfp4_sm120.format import topk_route
-from vllm_nvfp4_sm120.tiny_checkpoint import COMPRESSED_TENSORS, MODELOPT, SAFETENSORS_FILE, TinyShape, write_tiny_checkpoint
+from vllm_nvfp4_sm120.tiny_checkpoint import (
+    COMPRESSED_TENSORS,
+    MODELOPT,
+    SAFETENSORS_FILE,
+    TinyShape,
+    write_tiny_checkpoint,
+)
 
 CHECKPOINT_FORMAT = {"modelopt": MODELOPT, "ct": COMPRESSED_TENSORS}
 LAYER = "model.layers.0"
@@ -46,15 +51,6 @@ class Case:
     linear_backend: str = "auto"
     moe_backend: str = "auto"
     ep: bool = False  # --enable-expert-parallel (MoE)
-
-    @property
-    def id(self) -> str:
-        parts = [self.kind, self.fmt, self.act]
-        if self.linear_backend != "auto" and self.kind != "moe":
-            parts.append(self.linear_backend)
-        if self.kind == "moe":
-            parts.append("ep" if self.ep else "tp")
-        return "-".join(parts)
 
 
 # ---- the checkpoint -----------------------------------------------------------------------------------------------
@@ -94,15 +90,6 @@ def _fresh_log_state(mp: pytest.MonkeyPatch) -> None:
     import vllm_nvfp4_sm120.vllm.log as glue_log
 
     mp.setattr(glue_log, "_logged", set())
-
-
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(f"{record.levelname}: {record.getMessage()}")
 
 
 # ---- loading through the layers' weight loaders -------------------------------------------------------------------
@@ -201,9 +188,9 @@ def build_moe(case: Case, shape: TinyShape):
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
     return FusedMoEFactory(
-        num_experts=shape.experts, top_k=shape.top_k, hidden_size=shape.hidden, intermediate_size=shape.moe_intermediate,
-        params_dtype=torch.bfloat16, quant_config=NL.quant_config(case.fmt, case.act), prefix=f"{LAYER}.mlp.experts",
-        custom_routing_function=route,
+        num_experts=shape.experts, top_k=shape.top_k, hidden_size=shape.hidden,
+        intermediate_size=shape.moe_intermediate, params_dtype=torch.bfloat16,
+        quant_config=NL.quant_config(case.fmt, case.act), prefix=f"{LAYER}.mlp.experts", custom_routing_function=route,
     )
 
 
@@ -246,7 +233,8 @@ def kernel_summary(layer: torch.nn.Module) -> dict:
 
 # ---- forward ------------------------------------------------------------------------------------------------------
 
-def _x(t: int, k: int, seed: int) -> torch.Tensor:
+def _activations(t: int, k: int, seed: int) -> torch.Tensor:
+    """The same bf16 inputs on every rank and on one rank."""
     return torch.randn(t, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
@@ -263,18 +251,18 @@ def _linear_forward(layers, shape: TinyShape, t: int, seed: int) -> dict:
     res = {}
     if "qkv" in layers:
         qkv = layers["qkv"]
-        out, _ = qkv(_x(t, shape.hidden, seed))
+        out, _ = qkv(_activations(t, shape.hidden, seed))
         res["qkv"] = _gather(out)
         res["qkv_widths"] = list(qkv.logical_widths)
         res["kv_replicas"] = qkv.num_kv_head_replicas
     if "o" in layers:
         o = layers["o"]
-        x_r = split_tensor_along_last_dim(_x(t, shape.heads * shape.head_dim, seed), world)[rank].contiguous()
+        x_r = split_tensor_along_last_dim(_activations(t, shape.heads * shape.head_dim, seed), world)[rank].contiguous()
         res["o"], _ = o(x_r)
         res["o_partial"] = o.quant_method.apply(o, x_r)  # this rank's share, before vLLM's all-reduce
     if "gate_up" in layers:
         gate_up, down = layers["gate_up"], layers["down"]
-        h, _ = gate_up(_x(t, shape.hidden, seed))
+        h, _ = gate_up(_activations(t, shape.hidden, seed))
         res["gate_up"] = _gather(h)
         res["gate_up_widths"] = list(gate_up.logical_widths)
         # The row-parallel input is this rank's slice of the activation: its own gate and up shards.
@@ -288,7 +276,7 @@ def _linear_forward(layers, shape: TinyShape, t: int, seed: int) -> dict:
 def _moe_forward(runner, shape: TinyShape, t: int, seed: int, cfg) -> dict:
     from vllm.forward_context import set_forward_context
 
-    x = _x(t, shape.hidden, seed)
+    x = _activations(t, shape.hidden, seed)
     logits = torch.randn(t, shape.experts, generator=torch.Generator().manual_seed(seed + 1)).to(torch.bfloat16)
     experts = runner.routed_experts
     with pytest.MonkeyPatch.context() as mp, set_forward_context(None, cfg):
@@ -339,24 +327,17 @@ def _static_scales(layers) -> dict:
 # ---- tasks (run on every rank, and in the test process for one rank) -----------------------------------------------
 
 def task_forward(ckpt_dir: str, case: Case, ts: tuple[int, ...], seed: int = 0) -> dict:
-    """Build and load the case's layers, run them at each T; outputs after vLLM's collectives, per-rank partials,
-    the kernels chosen, the plans run and the load-time log lines."""
+    """Build and load the case's layers, run them at each T: outputs after vLLM's collectives, per-rank partials,
+    the kernels chosen, the plans run and the MoE's static scales."""
     from vllm.config import set_current_vllm_config
 
     shape = read_shape(ckpt_dir)
     cfg = vllm_config_for(case)
-    records = _Records()
-    log = logging.getLogger("vllm.nvfp4_sm120")
-    log.addHandler(records)
-    try:
-        with pytest.MonkeyPatch.context() as mp, set_current_vllm_config(cfg):
-            _fresh_log_state(mp)
-            layers = build_and_load(case, ckpt_dir, mp)
-    finally:
-        log.removeHandler(records)
+    with pytest.MonkeyPatch.context() as mp, set_current_vllm_config(cfg):
+        _fresh_log_state(mp)
+        layers = build_and_load(case, ckpt_dir, mp)
     result = {"rank_world": rank_and_world(), "kernels": {n: kernel_summary(layer) for n, layer in layers.items()},
-              "plans": _plans(layers, shape, ts), "scales": _static_scales(layers), "log": records.lines,
-              "outputs": {}}
+              "plans": _plans(layers, shape, ts), "scales": _static_scales(layers), "outputs": {}}
     with set_current_vllm_config(cfg):
         for t in ts:
             if case.kind == "moe":
@@ -380,9 +361,6 @@ def task_load_outcome(ckpt_dir: str, case: Case) -> dict:
             "kernels": {n: kernel_summary(layer) for n, layer in layers.items()}}
 
 
-
-
-
 def task_load_outcome_refusing_on_rank(ckpt_dir: str, case: Case, refusing_rank: int) -> dict:
     """:func:`task_load_outcome` with the cuBLAS route's layer check refusing on one rank only: a planted
     inconsistency, to show that the tests' consistency check can fail."""
@@ -392,3 +370,4 @@ def task_load_outcome_refusing_on_rank(ckpt_dir: str, case: Case, refusing_rank:
         if rank_and_world()[0] == refusing_rank:
             mp.setattr(fp4_routes, "cublas_refusal", lambda capability, n, k, **kw: "planted: this rank only")
         return task_load_outcome(ckpt_dir, case)
+
