@@ -157,13 +157,18 @@ def run_both(ranks: Ranks, ckpt: str, c: Case):
 
 # ---- linears ------------------------------------------------------------------------------------------------------
 
-@TP_SIZES
-@pytest.mark.parametrize("shared", [False, True], ids=["part-globals", "shared-global"])
-@pytest.mark.parametrize("fmt, act", FORMATS_ACTS)
+def fused_cases(test):
+    """Parametrize a fused-layer test: TP size x format x activation x per-part or shared weight globals (vLLM
+    merges per-part globals of W4A4 layers into one; W4A16 rows keep their part's, which must follow the shard)."""
+    test = pytest.mark.parametrize("fmt, act", FORMATS_ACTS)(test)
+    test = pytest.mark.parametrize("shared", [False, True], ids=["part-globals", "shared-global"])(test)
+    return TP_SIZES(test)
+
+
+@fused_cases
 def test_qkv_with_kv_heads_replicated(ranks, checkpoints, fmt, act, shared):
     shape = SHAPES[ranks.world]
-    ckpt = checkpoints(shape, fmt, act, shared)
-    per_rank, one = run_both(ranks, ckpt, case("qkv", fmt, act))
+    per_rank, one = run_both(ranks, checkpoints(shape, fmt, act, shared), case("qkv", fmt, act))
     out = per_rank[0]["outputs"]
     replicas = out[TS[0]]["kv_replicas"]
     assert replicas == ranks.world // shape.kv_heads > 1  # fewer KV heads than ranks
@@ -173,16 +178,13 @@ def test_qkv_with_kv_heads_replicated(ranks, checkpoints, fmt, act, shared):
         assert_column_close(got, one["outputs"][t]["qkv"], f"qkv T={t}")
 
 
-@TP_SIZES
-@pytest.mark.parametrize("shared", [False, True], ids=["part-globals", "shared-global"])
-@pytest.mark.parametrize("fmt, act", FORMATS_ACTS)
+@fused_cases
 def test_gate_up_then_down(ranks, checkpoints, fmt, act, shared):
     """MergedColumnParallelLinear → SiLU-and-mul on each rank's shards → RowParallelLinear (K sharded, bias)."""
     shape = SHAPES[ranks.world]
-    ckpt = checkpoints(shape, fmt, act, shared)
-    per_rank, one = run_both(ranks, ckpt, case("mlp", fmt, act))
-    out = per_rank[0]["outputs"]
     assert shape.moe_intermediate // ranks.world == PER_RANK
+    per_rank, one = run_both(ranks, checkpoints(shape, fmt, act, shared), case("mlp", fmt, act))
+    out = per_rank[0]["outputs"]
     for t in TS:
         got = reassemble(out[t]["gate_up"], out[t]["gate_up_widths"], ranks.world)
         assert_column_close(got, one["outputs"][t]["gate_up"], f"gate_up T={t}")
