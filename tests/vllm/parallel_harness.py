@@ -120,7 +120,8 @@ class Ranks:
             p.start()
         self._collect(None, START_TIMEOUT_S, what="start")
 
-    def _alive(self) -> bool:
+    def alive(self) -> bool:
+        """Whether the ranks are up (they start on the first :meth:`run`, and again after a failure killed them)."""
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def close(self) -> None:
@@ -152,7 +153,7 @@ class Ranks:
         ``fn`` must be importable by the ranks (a module-level function of a module on ``sys.path``); arguments and
         results travel through ``torch.save``.
         """
-        if not self._alive():
+        if not self.alive():
             self._kill()
             self._start()
         self._next_task += 1
