@@ -171,7 +171,7 @@ if HAS_GLUON:
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StreamTile:
-    block_m: int  # weight rows per CTA (a multiple of 16 per row warp)
+    block_m: int  # weight rows per CTA: 16, 32 or 64 per row warp
     block_t: int  # tokens per CTA: 8 or 16 (the mma N); more tokens run more token tiles over the weight
     num_warps: int = 4
     row_warps: int = 1  # warps splitting the rows; the other num_warps / row_warps interleave the 128-k blocks
@@ -179,8 +179,8 @@ class StreamTile:
     def __post_init__(self):
         if self.block_t not in (8, 16) or self.num_warps not in (2, 4, 8) or self.row_warps not in (1, 2, 4):
             raise ValueError(f"StreamTile: unsupported {self}")
-        if self.num_warps % self.row_warps or self.block_m % (16 * self.row_warps):
-            raise ValueError(f"StreamTile: {self}: num_warps and block_m / 16 must be multiples of row_warps")
+        if self.num_warps % self.row_warps or self.block_m not in tuple(r * self.row_warps for r in (16, 32, 64)):
+            raise ValueError(f"StreamTile: {self}: needs 16, 32 or 64 rows per row warp and row_warps | num_warps")
 
     @property
     def k_warps(self) -> int:
@@ -215,6 +215,8 @@ def stream_grid(t: int, n: int, k: int, tile: StreamTile, ctas: int) -> StreamGr
     nb = triton.cdiv(k, K_BLOCK)
     total = tiles_m * nb
     ctas = max(1, min(int(ctas), total))
+    if total * ctas >= 2**31:
+        raise ValueError(f"gemv_stream: {total} blocks x {ctas} CTAs overflows the kernel's 32-bit range arithmetic")
     longest = triton.cdiv(total, ctas)
     # A range of L blocks starting anywhere touches at most cdiv(L - 1, NB) + 1 row tiles.
     slots = triton.cdiv(longest - 1, nb) + 1
@@ -335,16 +337,18 @@ if HAS_GLUON:
         return ampere.mma_v2(a, b, acc)
 
     @gluon.jit
-    def _load_step(w_ptrs, s_ptrs, x_ptrs, kb, k_w, k_s, k_x, K, EVEN_K: gl.constexpr):
-        """The loads of one step; ``kb*`` are each warp's block index (a [W, 1, 1] tensor in each layout)."""
+    def _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs, kb, k_w, k_s, k_x, K, EVEN_K: gl.constexpr):
+        """The loads of one step.  ``kb`` is each warp's block index, a [W, 1, 1] tensor in each load layout;
+        the offsets are 32-bit and relative to per-tile (weights) and per-token-tile (activations) bases, which
+        keeps one register per row instead of a 64-bit pointer."""
         if EVEN_K:
-            words = gl.load(w_ptrs + kb[0] * 16)
-            sc = gl.load(s_ptrs + kb[1] * 8)
-            x = gl.load(x_ptrs + kb[2] * 128, eviction_policy="evict_last")
+            words = gl.load(w_base + (w_offs + kb[0] * 16))
+            sc = gl.load(s_base + (s_offs + kb[1] * 8))
+            x = gl.load(x_base + (x_offs + kb[2] * 128), eviction_policy="evict_last")
         else:  # the last block of a row ends past K: zero codes and activations there add nothing
-            words = gl.load(w_ptrs + kb[0] * 16, mask=kb[0] * 128 + k_w < K, other=0)
-            sc = gl.load(s_ptrs + kb[1] * 8, mask=kb[1] * 128 + k_s < K, other=0)
-            x = gl.load(x_ptrs + kb[2] * 128, mask=kb[2] * 128 + k_x < K, other=0.0,
+            words = gl.load(w_base + (w_offs + kb[0] * 16), mask=kb[0] * 128 + k_w < K, other=0)
+            sc = gl.load(s_base + (s_offs + kb[1] * 8), mask=kb[1] * 128 + k_s < K, other=0)
+            x = gl.load(x_base + (x_offs + kb[2] * 128), mask=kb[2] * 128 + k_x < K, other=0.0,
                         eviction_policy="evict_last")
         return words, sc, x
 
@@ -397,15 +401,16 @@ if HAS_GLUON:
         row_c = (w_c % ROW_WARPS) * BMW + m_c
         row_s = (w_s % ROW_WARPS) * BMW + m_s
         # Tokens past T re-read token T - 1 (an L1 hit; their output columns are not stored).
-        toks = gl.minimum(pid_t * BLOCK_T + n_x, T - 1)
-        x_ptrs = x_ptr + toks.to(gl.int64) * stride_xt + k_x
+        x_base = x_ptr + (pid_t * BLOCK_T).to(gl.int64) * stride_xt
+        x_offs = (gl.minimum(pid_t * BLOCK_T + n_x, T - 1) - pid_t * BLOCK_T) * stride_xt + k_x
         rows_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O2))
         toks_o = pid_t * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, O2))
         part_offs = rows_o[:, None] * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, O2))[None, :]
 
         # ---- this CTA's range of (row tile, block) pairs: runs of consecutive blocks, one per row tile
-        b_begin = (pid.to(gl.int64) * total_blocks // ctas).to(gl.int32)
-        b_end = ((pid.to(gl.int64) + 1) * total_blocks // ctas).to(gl.int32)
+        # (total_blocks * ctas < 2^31: stream_grid checks it, so the range arithmetic stays 32-bit)
+        b_begin = pid * total_blocks // ctas
+        b_end = (pid + 1) * total_blocks // ctas
         first_tile = b_begin // NB
         b = b_begin
         while b < b_end:
@@ -416,30 +421,31 @@ if HAS_GLUON:
             last = gl.cdiv(run_end - b, KW) - 1  # index of the run's last step
 
             # Rows past N re-read row N - 1 (no masks on the weight stream); only the store is masked.
-            rows_c = gl.minimum(tile * BLOCK_M + row_c, N - 1).to(gl.int64)
-            w_ptrs = w_ptr + rows_c * stride_ww + k_c
-            rows_s = gl.minimum(tile * BLOCK_M + row_s, N - 1).to(gl.int64)
-            s_ptrs = ws_ptr + rows_s * stride_wsn + k_s
+            row0 = tile * BLOCK_M
+            w_base = w_ptr + row0.to(gl.int64) * stride_ww
+            w_offs = (gl.minimum(row0 + row_c, N - 1) - row0) * stride_ww + k_c
+            s_base = ws_ptr + row0.to(gl.int64) * stride_wsn
+            s_offs = (gl.minimum(row0 + row_s, N - 1) - row0) * stride_wsn + k_s
 
             # Step i: warp (kw, rw) takes block kb0 + i * KW + kw.  Only the run's last step can cover fewer than
             # KW blocks; there the surplus warps' blocks are clamped to the run's last block (an L1/L2 re-read,
             # never a DRAM byte outside the run) and their codes zeroed.  Prefetches past the run are clamped too.
             kb_w, kb_s, kb_x = kb0 + w_c // ROW_WARPS, kb0 + w_s // ROW_WARPS, kb0 + w_x // ROW_WARPS
             acc = gl.zeros([WARPS, BMW, BLOCK_T], gl.float32, MMA)
-            words_a, sc_a, x_a = _load_step(w_ptrs, s_ptrs, x_ptrs, _step_blocks(kb_w, kb_s, kb_x, 0, kb_last),
+            words_a, sc_a, x_a = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs, _step_blocks(kb_w, kb_s, kb_x, 0, kb_last),
                                             k_c * 8, k_s * 16, k_x, K, EVEN_K)
             for i in range(0, last - 1, 2):  # pairs of steps before the last: every warp has a block
-                words_b, sc_b, x_b = _load_step(w_ptrs, s_ptrs, x_ptrs,
+                words_b, sc_b, x_b = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs,
                                                 _step_blocks(kb_w, kb_s, kb_x, (i + 1) * KW, kb_last),
                                                 k_c * 8, k_s * 16, k_x, K, EVEN_K)
                 acc = _step_mma(words_a, sc_a, x_a, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
-                words_a, sc_a, x_a = _load_step(w_ptrs, s_ptrs, x_ptrs,
+                words_a, sc_a, x_a = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs,
                                                 _step_blocks(kb_w, kb_s, kb_x, (i + 2) * KW, kb_last),
                                                 k_c * 8, k_s * 16, k_x, K, EVEN_K)
                 acc = _step_mma(words_b, sc_b, x_b, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
             # Buffer a now holds step `last` (last even) or step `last - 1` (last odd).
             if last % 2 == 1:
-                words_b, sc_b, x_b = _load_step(w_ptrs, s_ptrs, x_ptrs,
+                words_b, sc_b, x_b = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs,
                                                 _step_blocks(kb_w, kb_s, kb_x, last * KW, kb_last),
                                                 k_c * 8, k_s * 16, k_x, K, EVEN_K)
                 acc = _step_mma(words_a, sc_a, x_a, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
@@ -453,8 +459,8 @@ if HAS_GLUON:
             rows = tile * BLOCK_M + rows_o
             row_ok = rows < N
             # The CTAs whose ranges cover this row tile: those holding its first and its last block.
-            p_first = (((tile * NB + 1).to(gl.int64) * ctas - 1) // total_blocks).to(gl.int32)
-            p_last = ((((tile + 1) * NB).to(gl.int64) * ctas - 1) // total_blocks).to(gl.int32)
+            p_first = ((tile * NB + 1) * ctas - 1) // total_blocks
+            p_last = ((tile + 1) * NB * ctas - 1) // total_blocks
             done = p_first == p_last
             if p_first != p_last:
                 slot = (pid_t * ctas + pid) * slots_per_cta + (tile - first_tile)
@@ -466,7 +472,7 @@ if HAS_GLUON:
                 if done:  # the last contributor: add all partials in CTA order
                     y = gl.zeros([BLOCK_M, BLOCK_T], gl.float32, O2)
                     for p in range(p_first, p_last + 1):
-                        p_first_tile = (p.to(gl.int64) * total_blocks // ctas).to(gl.int32) // NB
+                        p_first_tile = p * total_blocks // ctas // NB
                         p_slot = (pid_t * ctas + p) * slots_per_cta + (tile - p_first_tile)
                         y += gl.load(part_ptr + p_slot.to(gl.int64) * (BLOCK_M * BLOCK_T) + part_offs,
                                      cache_modifier=".cg")
@@ -493,14 +499,15 @@ def gemv_stream(x, w_codes, w_scales, w_dec_rows, *, tile: StreamTile, ctas: int
     128-k blocks).  ``workspace``: a :class:`StreamWorkspace` for this grid (``StreamWorkspace.for_grid``), kept
     by the caller across calls; without one, a fresh zeroed one is allocated (a memset per call).
     """
-    from .gluon_gemv import _check_gemv_args
+    from ..format.checks import check_tensor
+    from .w4a16_linear import check_linear_inputs, trivial_linear_output
 
     require_gluon("gemv_stream")
-    t, n, k, w_scales, out = _check_gemv_args("gemv_stream", x, w_codes, w_scales, w_dec_rows, bias, out)
+    t, n, k, w_scales, out = check_linear_inputs("gemv_stream", x, w_codes, w_scales, w_dec_rows, bias, out)
+    if bias is not None:
+        check_tensor("bias", bias, dtype=x.dtype)
     if w_codes.stride(0) % 4:
         raise ValueError(f"w_codes: the row stride ({w_codes.stride(0)} bytes) must be a multiple of 4 (read as words)")
-    from .w4a16_linear import trivial_linear_output
-
     if (done := trivial_linear_output(out, k, w_dec_rows, bias)) is not None:
         return done
     decode = default_stream_decode(x.device, x.dtype) if decode is None else decode
