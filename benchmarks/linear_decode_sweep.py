@@ -254,10 +254,12 @@ def sweep(args) -> dict:
             if selected("gluon-today", patterns):
                 specs.append(gluon_today_spec(t, n, k, sm, cc_major))
             jobs += [(s, k, t) for s in specs]
-    # One job per distinct compile: K is a constexpr of gluon-today only; T = 1 is a JIT specialization of both.
+    # One job per distinct compile: the streaming kernel's constexprs are its tile and decode (not the grid, not
+    # K); gluon-today's include K; T = 1 is a JIT specialization of both.
     distinct = {}
     for spec, k, t in jobs:
-        distinct.setdefault((spec, k if spec[0] == "gluon" else 0, t == 1), (spec, k, t))
+        key = (spec[1], spec[3]) if spec[0] == "stream" else (spec, k)
+        distinct.setdefault((key, t == 1), (spec, k, t))
     jobs = list(distinct.values())
     ctx = multiprocessing.get_context("spawn")
     probe = None

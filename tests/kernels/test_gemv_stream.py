@@ -114,7 +114,8 @@ def run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
             for half, code in enumerate((val[0] & 15, val[0] >> 4)):
                 r |= bits_of_float(code >> 3, E2M1_MAG[code & 7], fmt) << (16 * half)
         elif op.startswith("cvt.rn.") and op.endswith(".f32"):  # d = {cvt(a) high, cvt(b) low}
-            r = bits_of_float(*float_of_bits(val[0], "f32"), fmt) << 16 | bits_of_float(*float_of_bits(val[1], "f32"), fmt)
+            hi, lo = (bits_of_float(*float_of_bits(v, "f32"), fmt) for v in val[:2])
+            r = hi << 16 | lo
         elif op.startswith("fma.rn."):
             r = 0
             for half in range(2):
@@ -351,7 +352,8 @@ def stream_kernel_model(x, codes, scales, dec_rows, tile: gs.StreamTile, ctas: i
     return out.to(x.dtype)
 
 
-MODEL_TILES = [gs.StreamTile(32, 8), gs.StreamTile(64, 16, 4, 2), gs.StreamTile(32, 8, 2, 1), gs.StreamTile(64, 8, 8, 4)]
+MODEL_TILES = [gs.StreamTile(32, 8), gs.StreamTile(64, 16, 4, 2), gs.StreamTile(32, 8, 2, 1),
+               gs.StreamTile(64, 8, 8, 4)]
 
 
 @pytest.mark.parametrize("tile", MODEL_TILES, ids=str)

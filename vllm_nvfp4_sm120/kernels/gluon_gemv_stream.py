@@ -7,21 +7,24 @@ that runs at the read-bandwidth limit rather than at the decode's instruction li
 
 Bytes in flight
     The K loop is a runtime loop (one compile per tile, not per K) that loads step i + 1 before it decodes step i
-    (two register buffers, the loop unrolled by two so no buffer is copied).  A step is one 128-k block per warp
-    of ``BLOCK_M`` rows: every lane holds 16 code bytes of each of its ``BLOCK_M / 8`` rows, i.e. ``BLOCK_M * 2``
-    bytes in flight per lane while the previous step decodes.
+    (two register buffers, the loop unrolled by two so no buffer is copied; the run's last step is peeled out
+    of the loop, which keeps the loop body branch-free).  In a step every warp takes one 128-k block of its
+    ``BLOCK_M / ROW_WARPS`` rows: each lane holds 16 code bytes (one 16-byte load) per row, 2 scale bytes per
+    row and 32 activations per token, so ``2 * BLOCK_M / ROW_WARPS`` code bytes per lane are in flight while
+    the previous step decodes.
 
 Stream-K grid
     The work of a token tile is the list of (row tile, 128-k block) pairs, row tile by row tile; the grid has a
-    fixed number of CTAs (``ctas``, a multiple of the SM count chosen by the caller) and CTA ``p`` takes the
-    contiguous range ``[p * total // ctas, (p + 1) * total // ctas)``: every CTA streams the same number of
+    fixed number of CTAs (``ctas``, chosen by the caller: as many as fit on the GPU at once) and CTA ``p`` takes
+    the contiguous range ``[p * total // ctas, (p + 1) * total // ctas)``: every CTA streams the same number of
     blocks (+-1), there is no ragged last wave, and each range is one or a few long contiguous runs along K.
-    The warps of a CTA interleave the blocks of a run (warp w takes blocks w, w + WARPS, ...).  A row tile whose
-    blocks were shared by several CTAs is finished by the last of them to arrive: each writes its fp32 partial to
-    a workspace slot, raises the tile's counter (release/acquire at GPU scope), and the CTA that brings the count
-    to the number of contributors adds the partials **in CTA order** (deterministic, whichever arrives last),
-    applies the epilogue and resets the counter to 0 for the next call (CUDA-graph replays included).  One
-    launch per call; tiles owned by one CTA skip the workspace.
+    In a run, warp ``kw * ROW_WARPS + rw`` takes rows ``rw`` of the tile and blocks ``kw, kw + KW, ...``
+    (``KW = WARPS / ROW_WARPS``; the row warps of one ``kw`` read the same activations, the second read an L1
+    hit).  A row tile whose blocks were shared by several CTAs is finished by the last of them to arrive: each
+    writes its fp32 partial to a workspace slot, raises the tile's counter (release/acquire at GPU scope), and the
+    CTA that brings the count to the number of contributors adds the partials **in CTA order** (deterministic,
+    whichever arrives last), applies the epilogue and resets the counter to 0 for the next call (CUDA-graph
+    replays included).  One launch per call; tiles owned by one CTA skip the workspace.
 
 Decode (``DECODE`` constexpr), fused with the scale: one inline-asm call per 32-bit code word (8 elements) that
 returns the four MMA operand registers, each a bf16/fp16 pair already multiplied by the pair ``(s, s)`` of the
@@ -39,8 +42,8 @@ k permutation (as in gemv_mma): the MMA's k index is a relabelling of memory k w
 that one 16-byte load per row and lane, and the lane's 32 contiguous activations, land in the mma_v2 operand
 fragments; the same relabelling on both operands leaves the dot product unchanged, and every layout change is
 asserted trivial at compile time.  With DECODE_SHIFT the pair order inside a word differs from memory order,
-so the activations are repacked (one ``prmt`` per activation register, paid once per CTA, shared by the
-``BLOCK_M`` rows).  :func:`operand_k_of_memory_k` is the relabelling in Python; the CPU tests model it.
+so the activations are repacked (one ``prmt`` per activation register, shared by the warp's rows).
+:func:`operand_k_of_memory_k` is the relabelling in Python; the CPU tests model it.
 
 The precision contract is the one of the other kernels: products exact, fp32 accumulation, one rounding to the
 output dtype; with DECODE_SHIFT the MMA sums ``w * x * 2^-7`` (a power of two, restored in the epilogue), so only
@@ -154,7 +157,7 @@ def operand_k_of_memory_k(m: int, decode: int) -> int:
 
 
 # The kernel's reshapes of a step ([warps, rows or tokens, ...] tensors), shared with the CPU model of the tests:
-# - the four decode outputs joined as [.., group, word, j bit 0, j bit 1, half] -> (group, word, j, half);
+# - the four decode outputs joined as [.., group, word, half, j bit 0, j bit 1] -> (group, word, j, half);
 PAIR_ORDER = (0, 1, 2, 3, 6, 5, 4)
 # - a block [.., 4 lanes t, 4 words c, 8 slots] -> operand order (c, t, slot);
 BLOCK_ORDER = (0, 1, 3, 2, 4)
@@ -309,7 +312,7 @@ if HAS_GLUON:
         """One step: every warp's 128-k block of its BMW rows, decoded, scaled and multiplied into acc."""
         DT: gl.constexpr = x.dtype
         F16: gl.constexpr = DT == gl.float16
-        # Codes [W, BM, 16 words] seen as [W, BM, 8 scale groups, 2 words] to pair each word with its scale.
+        # Codes [W, BMW, 16 words] seen as [W, BMW, 8 scale groups, 2 words] to pair each word with its scale.
         w4 = gl.convert_layout(words.reshape([WARPS, BMW, 8, 2]), W4, assert_trivial=True)
         s = sc.to(gl.float8e4nv, bitcast=True).to(gl.float32)
         if DECODE == 2:
@@ -323,7 +326,7 @@ if HAS_GLUON:
             sp = gl.inline_asm_elementwise(_ASM_PAIR_BF16, "=r,r", [s], gl.int32, True, 1)
         sp, w4 = gl.broadcast(sp[:, :, :, None], w4)
         o0, o1, o2, o3 = _scaled_pairs(w4, sp, DECODE, F16)
-        # [W, BM, group, word, j bit 0, j bit 1, half] -> element order (group, word, j, half) = operand order
+        # [W, BMW, group, word, half, j bit 0, j bit 1] -> (group, word, j, half): the pairs in operand order
         e = gl.join(gl.join(_halves(o0, DT), _halves(o1, DT)), gl.join(_halves(o2, DT), _halves(o3, DT)))
         e = e.permute(_PAIR_ORDER)
         # Within the block: memory word c of lane t -> operand k' = 32c + 8t + (pair slot)
@@ -432,7 +435,8 @@ if HAS_GLUON:
             # never a DRAM byte outside the run) and their codes zeroed.  Prefetches past the run are clamped too.
             kb_w, kb_s, kb_x = kb0 + w_c // ROW_WARPS, kb0 + w_s // ROW_WARPS, kb0 + w_x // ROW_WARPS
             acc = gl.zeros([WARPS, BMW, BLOCK_T], gl.float32, MMA)
-            words_a, sc_a, x_a = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs, _step_blocks(kb_w, kb_s, kb_x, 0, kb_last),
+            words_a, sc_a, x_a = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs,
+                                            _step_blocks(kb_w, kb_s, kb_x, 0, kb_last),
                                             k_c * 8, k_s * 16, k_x, K, EVEN_K)
             for i in range(0, last - 1, 2):  # pairs of steps before the last: every warp has a block
                 words_b, sc_b, x_b = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs,
