@@ -1,0 +1,52 @@
+"""The H200 sweep script's host-side parts (benchmarks/linear_decode_sweep.py), on CPU: the read-only ceiling
+kernel in the interpreter, the candidate lists and the summary table, so a device run cannot fail on them."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_nvfp4_sm120.format import random_nvfp4
+from vllm_nvfp4_sm120.kernels import gluon_gemv_stream as gs
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "linear_decode_sweep.py"
+_spec = importlib.util.spec_from_file_location("linear_decode_sweep", _PATH)
+sweep = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sweep)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU tensors)")
+@pytest.mark.parametrize("n,k,block_m,split", [(37, 1024, 32, 1), (64, 512, 16, 3), (5, 256, 64, 2)])
+def test_read_only_kernel_reads_every_byte(gen, n, k, block_m, split):
+    w = random_nvfp4((n, k), gen=gen)
+    out = torch.empty(-(-n // block_m) * split, dtype=torch.int32)
+    got = sweep._xor_all(sweep.read_only(w.codes, w.scales, out, block_m=block_m, split=split))
+    assert got == sweep.read_only_expected(w.codes, w.scales, block_m)
+    w.codes[n // 2, 3] ^= 1  # one flipped bit anywhere changes the result
+    got2 = sweep._xor_all(sweep.read_only(w.codes, w.scales, out, block_m=block_m, split=split))
+    assert got2 == got ^ (1 << 24)
+
+
+@pytest.mark.parametrize("cc_major", [9, 12])
+@pytest.mark.parametrize("t", [1, 2, 4, 8, 16])
+def test_candidates(t, cc_major):
+    specs = sweep.stream_specs(t, 132, cc_major)
+    names = [name for name, _ in specs]
+    assert len(names) == len(set(names)) <= 6 and names[0] == "stream-plan"
+    for _, (kind, tile, ctas, decode) in specs:
+        assert kind == "stream" and tile in gs.STREAM_TILES and ctas >= 1 and decode in gs.DECODE_NAMES
+    assert sweep.selected("stream-plan", ["plan"]) and not sweep.selected("gemlite", ["stream"])
+
+
+def test_summary_table():
+    rows = [sweep._row("qwen3-32b", "qkv", 10240, 5120, 1, name, us * 1e-6, 29_491_200, 4.4,
+                       ("stream", gs.StreamTile(128, 8, 4, 2), 396, gs.DECODE_SHIFT) if name.startswith("stream")
+                       else None)
+            for name, us in (("stream-plan", 9.0), ("stream-64x8w4r1", 10.0), ("gluon-today", 16.0),
+                             ("cublas-bf16", 28.0), ("gemlite (default)", 20.0), ("read-only (rows 32, split 1)", 8.0))]
+    text = sweep.summary({"rows": rows, "dram_read_tbs": 4.4, "failures": ["x: wrong"]})
+    assert "qwen3-32b/qkv" in text and "(3.11)" in text and "FAILED" in text
+    assert rows[0]["tile"] and rows[0]["decode"] == "shift"

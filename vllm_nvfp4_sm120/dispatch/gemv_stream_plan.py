@@ -1,0 +1,60 @@
+"""Tile and grid of the streaming W4A16 decode kernel (``kernels.gluon_gemv_stream``) for a (T, N, K, GPU).
+
+First guesses from the arithmetic below, to be replaced by the H200 sweep (``benchmarks/linear_decode_sweep.py``)
+and an sm_120 run; nothing here was measured yet.
+
+- Rows per CTA: every CTA re-reads the activations of its K range from L2: ``2 * T * K`` bytes per
+  ``0.5625 * block_m * K`` weight bytes, i.e. ``3.6 * T / block_m`` of the weight traffic.  128 rows (two row
+  warps of 64) keep that at 0.22x / 0.44x for T = 8 / 16.
+- T = 9-16: one 16-token pass reads the weight once; two 8-token passes read it twice (the sweep times both).
+- Grid: stream-K over (row tile, 128-k block) pairs with exactly as many CTAs per SM as fit at once (registers
+  decide), so every CTA is resident and streams the same number of blocks (+-1): one wave, no ragged tail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..kernels.gluon_gemv_stream import StreamTile
+
+REGISTERS_PER_SM = 65536
+STREAM_MAX_T = 16
+
+# Registers per thread of every tile, as Triton 3.8 compiles it (bf16; sm_90: shift decode, sm_120: cvt).
+# tests/dispatch/test_gemv_stream_plan.py recompiles the tiles and checks the CTAs per SM these imply.
+TILE_REGISTERS = {
+    9: {StreamTile(64, 8): 154, StreamTile(32, 8): 140, StreamTile(128, 8, 4, 2): 154,
+        StreamTile(64, 16): 218, StreamTile(128, 16, 4, 2): 218, StreamTile(32, 16): 182},
+    12: {StreamTile(64, 8): 145, StreamTile(32, 8): 141, StreamTile(128, 8, 4, 2): 145,
+         StreamTile(64, 16): 193, StreamTile(128, 16, 4, 2): 197, StreamTile(32, 16): 156},
+}
+
+
+def ctas_per_sm(registers: int, num_warps: int) -> int:
+    """CTAs of ``num_warps`` warps that fit in one SM's register file (allocated per warp in units of 8 per
+    thread); shared memory (<= 5 KB per CTA) and the warp limit (48 on sm_120) never bind for these tiles."""
+    per_cta = num_warps * 32 * -(-registers // 8) * 8
+    return max(1, REGISTERS_PER_SM // per_cta)
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    tile: StreamTile
+    ctas: int  # CTAs per token tile (the launcher's ``ctas``)
+    why: str
+
+
+def stream_plan(t: int, n: int, k: int, sm_count: int, cc_major: int = 12) -> StreamPlan:
+    """The tile and grid for ``x [t, k] @ W [n, k]^T`` with T <= STREAM_MAX_T (more tokens: more token tiles)."""
+    if t <= 8:
+        tile, why = StreamTile(128, 8, 4, 2), "T <= 8: one 8-token tile, 128 rows (activation re-reads 0.22x)"
+    else:
+        tile, why = StreamTile(128, 16, 4, 2), "T 9-16: one 16-token pass over the weight instead of two 8-token"
+    return StreamPlan(tile, wave_ctas(tile, t, sm_count, cc_major), why)
+
+
+def wave_ctas(tile: StreamTile, t: int, sm_count: int, cc_major: int = 12) -> int:
+    """CTAs per token tile such that all token tiles together are one full wave (every CTA resident)."""
+    regs = TILE_REGISTERS[9 if cc_major == 9 else 12][tile]
+    tiles_t = -(-max(t, 1) // tile.block_t)
+    return max(1, ctas_per_sm(regs, tile.num_warps) * sm_count // tiles_t)
