@@ -129,9 +129,10 @@ def stream_specs(t: int, sm: int, cc_major: int) -> list[tuple[str, tuple]]:
 
 
 def gluon_today_spec(t, n, k, sm, cc_major):
+    from vllm_nvfp4_sm120.dispatch.hw import Capability
     from vllm_nvfp4_sm120.dispatch.linear import gluon_gemv_plan
 
-    plan = gluon_gemv_plan(t, n, k, sm, cc_major)
+    plan = gluon_gemv_plan(Capability(cc_major * 10, sm), t, n, k)
     kind = "fma" if plan.kernel.endswith("fma") else "mma"
     tile = (gluon_gemv.FmaTile if kind == "fma" else gluon_gemv.MmaTile)(**plan.kwargs)
     return ("gluon", kind, tile)

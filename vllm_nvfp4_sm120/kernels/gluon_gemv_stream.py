@@ -58,7 +58,7 @@ import torch
 import triton
 
 from .gluon_compat import HAS_GLUON, ampere, gl, gluon, require_gluon
-from .gluon_gemv import DECODE_CVT, DECODE_PORTABLE, E2M1_ASM, default_decode
+from .gluon_common import DECODE_CVT, DECODE_PORTABLE, E2M1_ASM, default_decode
 
 DECODE_SHIFT = 2
 DECODE_NAMES = {DECODE_CVT: "cvt", DECODE_PORTABLE: "portable", DECODE_SHIFT: "shift"}
@@ -504,7 +504,7 @@ def gemv_stream(x, w_codes, w_scales, w_dec_rows, *, tile: StreamTile, ctas: int
     by the caller across calls; without one, a fresh zeroed one is allocated (a memset per call).
     """
     from ..format.checks import check_tensor
-    from .w4a16_linear import check_linear_inputs, trivial_linear_output
+    from .common import check_linear_inputs, trivial_linear_output
 
     require_gluon("gemv_stream")
     t, n, k, w_scales, out = check_linear_inputs("gemv_stream", x, w_codes, w_scales, w_dec_rows, bias, out)
