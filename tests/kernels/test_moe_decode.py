@@ -432,3 +432,46 @@ def test_gpu_empty_batch():
 def test_gpu_workspace_helper_shapes():
     assert down_expert_workspace(3, 8, 64, False, "cuda").shape == (3, 64)
     assert down_expert_workspace(3, 8, 64, True, "cuda").shape == (24, 64)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: the inline-PTX decode (table + scale multiply, scale pairs) bit-exact against the pure-tl one
+# ---------------------------------------------------------------------------------------------------------------
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _decode_probe(codes_ptr, sf_ptr, out_ptr, out32_ptr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                  FAST: tl.constexpr):
+    r = tl.arange(0, ROWS)[:, None]
+    codes = tl.load(codes_ptr + r * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
+    sf = tl.load(sf_ptr + r * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)[None, :])
+    dtype = out_ptr.dtype.element_ty
+    offs = r * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    tl.store(out_ptr + offs, md._dequant_tile(codes, sf, ROWS, BLOCK_K, dtype, FAST))
+    tl.store(out32_ptr + offs, md._dequant_tile_f32(codes, sf, ROWS, BLOCK_K, dtype, FAST))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_fast_decode_bit_exact(dtype):
+    # Every code byte against every finite e4m3 scale (including subnormal scales and zero), a different scale in
+    # each 16-element group of a row, so a byte multiplied by a neighbour group's scale would show.
+    rows, block_k = 128, 512
+    scales = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    r = torch.arange(rows)[:, None]
+    g = torch.arange(block_k // 16)[None, :]
+    sf = scales[(r * 7 + g * 3) % scales.numel()].contiguous().cuda()
+    codes = ((torch.arange(block_k // 2)[None, :] + r * 5) % 256).to(torch.uint8).contiguous().cuda()
+    outs = {}
+    for fast in (True, False):
+        out = torch.empty(rows, block_k, dtype=dtype, device="cuda")
+        out32 = torch.empty(rows, block_k, dtype=torch.float32, device="cuda")
+        _decode_probe[(1,)](codes, sf, out, out32, ROWS=rows, BLOCK_K=block_k, FAST=fast, num_warps=4)
+        outs[fast] = (out, out32)
+    assert torch.equal(outs[True][0].view(torch.int16), outs[False][0].view(torch.int16))
+    assert torch.equal(outs[True][1].view(torch.int32), outs[False][1].view(torch.int32))
+    from vllm_nvfp4_sm120.format import unit_values
+
+    torch.testing.assert_close(outs[False][1], unit_values(codes, sf.view(torch.float8_e4m3fn)), rtol=0, atol=0)

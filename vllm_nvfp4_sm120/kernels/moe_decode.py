@@ -230,29 +230,75 @@ _SCALED_F16X2_PTX = tl.constexpr(
     "}"
 )
 _SCALED_PAIRS_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 17))
-_BF16_LOW_TABLE = tl.constexpr(-1065353216)  # 0xC0800000 as int32
-_BF16_HIGH_TABLE = tl.constexpr(0x3F3F3F00)
-_F16_HIGH_TABLE = tl.constexpr(0x3E3C3800)
-_SIGN_TABLE = tl.constexpr(0x8000)
+
+
+# ptxas keeps a constant that is the same in every thread in a uniform register and copies it into a regular one
+# before every prmt that reads it (a prmt has one immediate operand and cannot read uniform registers): ~6
+# instructions per 4 code bytes, a sixth of the decode loop.  min(laneid | c, c) == c, but ptxas cannot prove the
+# value uniform, so it computes it once and keeps it in a regular register.  The asm's input ($1) is only there to
+# give the result the layout of the codes it is combined with (a constant input would get a layout of its own).
+def _thread_constant_ptx(value: int) -> tl.constexpr:
+    v = value & 0xFFFFFFFF
+    return tl.constexpr("{ .reg .u32 l; mov.u32 l, %%laneid; or.b32 l, l, %d; min.u32 $0, l, %d; }" % (v, v))
+
+
+_BF16_LOW_TABLE = _thread_constant_ptx(0xC0800000)  # low bytes of bf16(|e2m1|) for codes 0..3
+_BF16_HIGH_TABLE = _thread_constant_ptx(0x3F3F3F00)  # high bytes, codes 0..3
+_F16_HIGH_TABLE = _thread_constant_ptx(0x3E3C3800)  # high bytes of fp16(|e2m1|), codes 0..3
+_SIGN_TABLE = _thread_constant_ptx(0x8000)  # sign byte 0x00 / 0x80
+
+
+# e4m3 block-scale bytes (4 in $4) → each as a pair (s, s) of the activation type ($0..$3), for the pair multiply.
+# The hardware e4m3x2 → f16x2 convert (sm_89+) is exact (e4m3 ⊂ fp16), and so is fp16 → fp32 → bf16 (e4m3 ⊂ bf16).
+_SCALE_PAIRS_F16_PTX = tl.constexpr(
+    "{ .reg .b16 b<2>; .reg .b32 h<2>; mov.b32 {b0, b1}, $4; "
+    "cvt.rn.f16x2.e4m3x2 h0, b0; cvt.rn.f16x2.e4m3x2 h1, b1; "
+    "prmt.b32 $0, h0, 0, 0x1010; prmt.b32 $1, h0, 0, 0x3232; prmt.b32 $2, h1, 0, 0x1010; "
+    "prmt.b32 $3, h1, 0, 0x3232; }"
+)
+_SCALE_PAIRS_BF16_PTX = tl.constexpr(
+    "{ .reg .b16 b<2>, s<4>; .reg .b32 h<2>; .reg .f32 f<4>; mov.b32 {b0, b1}, $4; "
+    "cvt.rn.f16x2.e4m3x2 h0, b0; cvt.rn.f16x2.e4m3x2 h1, b1; mov.b32 {s0, s1}, h0; mov.b32 {s2, s3}, h1; "
+    "cvt.f32.f16 f0, s0; cvt.f32.f16 f1, s1; cvt.f32.f16 f2, s2; cvt.f32.f16 f3, s3; "
+    "cvt.rn.bf16x2.f32 $0, f0, f0; cvt.rn.bf16x2.f32 $1, f1, f1; cvt.rn.bf16x2.f32 $2, f2, f2; "
+    "cvt.rn.bf16x2.f32 $3, f3, f3; }"
+)
+
+
+@triton.jit
+def _scale_pairs(sf, DTYPE: tl.constexpr):
+    """e4m3 scale bytes (uint8, any shape) → int32 of the same shape: ``(s, s)`` packed in ``DTYPE`` (bf16/fp16)."""
+    if DTYPE == tl.bfloat16:
+        out = tl.inline_asm_elementwise(_SCALE_PAIRS_BF16_PTX, "=r,=r,=r,=r,r", [sf], dtype=tl.int32, is_pure=True,
+                                        pack=4)
+    else:
+        out = tl.inline_asm_elementwise(_SCALE_PAIRS_F16_PTX, "=r,=r,=r,=r,r", [sf], dtype=tl.int32, is_pure=True,
+                                        pack=4)
+    return out
+
+
+@triton.jit
+def _thread_constant(PTX: tl.constexpr, like):
+    """An int32 tensor with the layout of ``like``, every element the constant of ``PTX``, held in a regular
+    register (see above)."""
+    return tl.inline_asm_elementwise(PTX, "=r,r", [like.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
 def _scaled_pairs(codes, sf, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
     """``[ROWS, BLOCK_K/2]`` code bytes, ``[ROWS, BLOCK_K/16]`` e4m3 bytes → int32 ``[ROWS, BLOCK_K/16, 8]``: per
     code byte its two weights ``e2m1 * e4m3`` (exact) as a packed 16-bit pair, the even element in the low half."""
-    s16 = sf.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(DTYPE).to(tl.int16, bitcast=True)
-    s32 = s16.to(tl.int32) & 0xFFFF
-    pair = (s32 | (s32 << 16))[:, :, None]
+    pair = _scale_pairs(sf, DTYPE)[:, :, None]
     c3 = codes.reshape(ROWS, BLOCK_K // 16, 8)
-    sign = tl.full((ROWS, BLOCK_K // 16, 8), _SIGN_TABLE, tl.int32)
+    sign = _thread_constant(_SIGN_TABLE, c3)
     if DTYPE == tl.bfloat16:
-        low = tl.full((ROWS, BLOCK_K // 16, 8), _BF16_LOW_TABLE, tl.int32)
-        high = tl.full((ROWS, BLOCK_K // 16, 8), _BF16_HIGH_TABLE, tl.int32)
+        low = _thread_constant(_BF16_LOW_TABLE, c3)
+        high = _thread_constant(_BF16_HIGH_TABLE, c3)
         out = tl.inline_asm_elementwise(_SCALED_BF16X2_PTX, _SCALED_PAIRS_CONSTRAINTS, [c3, pair, low, high, sign],
                                         dtype=tl.int32, is_pure=True, pack=4)
     else:
         tl.static_assert(DTYPE == tl.float16, "moe_decode: activations must be bf16 or fp16")
-        high = tl.full((ROWS, BLOCK_K // 16, 8), _F16_HIGH_TABLE, tl.int32)
+        high = _thread_constant(_F16_HIGH_TABLE, c3)
         out = tl.inline_asm_elementwise(_SCALED_F16X2_PTX, _SCALED_PAIRS_CONSTRAINTS, [c3, pair, high, high, sign],
                                         dtype=tl.int32, is_pure=True, pack=4)
     return out
