@@ -180,9 +180,9 @@ def _bad_input_cases():
         ("topk_weights", lambda: tok(inter, w2.codes, w2.scales, d2, ti, tw.half())),
         ("topk_weights", lambda: tok(inter, w2.codes, w2.scales, d2, ti, tw[:, :1])),
         ("workspace", lambda: moe_decode_down_expert(inter, w2.codes, w2.scales, d2, ti, tw,
-                                                     torch.zeros(4, 80, device=x.device), tile=DOT)),
+                                                     torch.zeros(2 * 80, device=x.device), tile=DOT)),
         ("workspace", lambda: moe_decode_down_expert(inter, w2.codes, w2.scales, d2, ti, tw,
-                                                     torch.zeros(2, 80, device=x.device), tile=DOT,
+                                                     torch.zeros(2 * 80 + 2 * 5, device=x.device), tile=DOT,
                                                      deterministic=True)),
         ("down", lambda: moe_decode(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti,
                                     gate_up_tile=DOT, down_tile=DOT, down="sum")),
@@ -275,18 +275,25 @@ def test_sweep_candidates_compile_for_sm120(job):
     ("gate_up", (("ACTIVATION", "gelu_tanh"), ("BY_EXPERT", True), ("ZERO", True), ("S_BLOCK", 1024)), "bf16"),
     ("gate_up", (("HAS_MAP", False), ("EVEN_K", False)), "fp16"),
     ("expert", (("DETERMINISTIC", True), ("BY_EXPERT", True), ("S_BLOCK", 1024)), "fp16"),
+    ("expert", (("HAS_MAP", False), ("EVEN_K", False)), "bf16"),
     ("token", (("HAS_MAP", False), ("EVEN_K", False)), "fp16"),
-], ids=["gate_up-gelu-by-expert-zero", "gate_up-fp16-tail", "expert-det-fp16", "token-fp16-tail"])
+], ids=["gate_up-gelu-by-expert-zero", "gate_up-fp16-tail", "expert-det-fp16", "expert-atomic-tail",
+        "token-fp16-tail"])
 def test_switches_compile_for_sm120(kind, extra, dtype):
     tile = DecodeTile(16, 256, 16, num_warps=2, num_stages=4, use_dot=True)
-    _check_sass(_compile(kind, tile, extra, dtype), tile)
+    rep = _compile(kind, tile, extra, dtype)
+    _check_sass(rep, tile)
+    if kind == "expert" and not dict(extra).get("DETERMINISTIC"):
+        # Vector fp32 atomics, the acq_rel tile count, and the completed tile read from L2.
+        rep.require_ptx(r"atom\.global\.gpu\.relaxed\.add\.v4\.f32").require_ptx(r"atom\.global\.gpu\.acq_rel\.add")
+        rep.require_ptx(r"ld\.global\.cg")
 
 
 @pytest.mark.compile
 def test_sum_kernel_compiles_for_sm120():
-    for per_route in (False, True):
+    for has_map in (False, True):
         rep = compile_kernel("vllm_nvfp4_sm120.kernels.moe_decode:_moe_decode_sum_kernel", md.MOE_DECODE_SUM_SIGNATURE,
-                             dict(HAS_MAP=True, PER_ROUTE=per_route, BLOCK_H=1024), divisible=md.MOE_DECODE_SUM_DIVISIBLE)
+                             dict(HAS_MAP=has_map, BLOCK_H=1024), divisible=md.MOE_DECODE_SUM_DIVISIBLE)
         rep.require_no_local().require_smem()
 
 
@@ -428,10 +435,10 @@ def test_gpu_empty_batch():
         assert _run(p, gate, dtile, kind, det).shape == (0, h)
 
 
-@pytest.mark.gpu
-def test_gpu_workspace_helper_shapes():
-    assert down_expert_workspace(3, 8, 64, False, "cuda").shape == (3, 64)
-    assert down_expert_workspace(3, 8, 64, True, "cuda").shape == (24, 64)
+def test_workspace_sizes():
+    # Atomic: [T, H] sums and one count per (token, H tile); deterministic: one row per route.
+    assert down_expert_workspace(3, 8, 64, DOT, False, DEVICE).shape == (3 * 64 + 3 * 4,)
+    assert down_expert_workspace(3, 8, 64, DOT, True, DEVICE).shape == (24 * 64,)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -475,3 +482,16 @@ def test_gpu_fast_decode_bit_exact(dtype):
     from vllm_nvfp4_sm120.format import unit_values
 
     torch.testing.assert_close(outs[False][1], unit_values(codes, sf.view(torch.float8_e4m3fn)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("down,det", [("token", False), ("expert", False), ("expert", True)])
+def test_token_without_local_expert_is_zero(down, det):
+    # Token 1's slots are all another rank's experts: its output row is zeros (no program adds into it).
+    p = list(_problem(3, 8, 2, 80, 96, with_map=True))
+    ti = p[6].clone()
+    ti[1] = torch.tensor([0, 2], dtype=ti.dtype)  # even global ids: not on this rank
+    ti[0, 0], ti[2, 1] = 1, 3
+    p[6] = ti
+    out = _run(p, DOT, DOT, down, det)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert_moe_close(out, _ref(p))

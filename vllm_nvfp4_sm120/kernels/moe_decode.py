@@ -21,9 +21,11 @@ Kernels (weight-only numerics, as ``format.moe_ref(..., a13_gs=None, a2_gs=None)
   token's ``top_k`` slots and K tiles in one flattened, pipelined loop, multiplies each partial product by
   ``w2_dec[e] * topk_weight`` and sums in fp32 in slot order, then stores ``x.dtype``.  No atomics, no zeroing,
   bit-identical across runs; re-reads the w2 rows of an expert shared by several tokens.
-* ``_moe_decode_down_expert_kernel`` — expert-major with the gate_up dedupe: each w2 block read once per call;
-  the routing-weighted rows are fp32-atomically added into ``[T, H]`` (zeroed by the gate_up kernel), or stored
-  per route into ``[T * top_k, H]`` (deterministic); ``_moe_decode_sum_kernel`` then casts / sums in slot order.
+* ``_moe_decode_down_expert_kernel`` — expert-major with the gate_up dedupe: each w2 block read once per call.
+  Atomic mode: the routing-weighted rows are fp32-atomically added into a ``[T, H]`` workspace (zeroed by the
+  gate_up kernel's programs) and counted per (token, H tile); the program whose add completes a tile (the last of
+  the token's local experts) casts it into the output, so the layer is still two launches.  Deterministic mode:
+  one fp32 row per route into ``[T * top_k, H]``, summed in slot order by ``_moe_decode_sum_kernel``.
 
 Inner product (``USE_DOT`` constexpr): tensor cores with the weight rows on the MMA's M side and the routes of a
 chunk on N (``tl.dot``, ``BLOCK_T >= 16``; M = ``16 * num_warps`` rows per program avoids Triton replicating the
@@ -140,14 +142,15 @@ MOE_DECODE_DOWN_TOKEN_SIGNATURE = {
     **_TILE_CONSTEXPRS,
 }
 MOE_DECODE_DOWN_EXPERT_SIGNATURE = {
-    "a_ptr": "*bf16", **_BANK, "tw_ptr": "*fp32", "out_ptr": "*fp32", **_DOWN_INTS,
+    "a_ptr": "*bf16", **_BANK, "tw_ptr": "*fp32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "out_ptr": "*bf16",
+    **_DOWN_INTS,
     "HAS_MAP": "constexpr", "BY_EXPERT": "constexpr", "DETERMINISTIC": "constexpr", "S_BLOCK": "constexpr",
     "FAST_DECODE": "constexpr", "EVEN_K": "constexpr", **_TILE_CONSTEXPRS,
 }
 MOE_DECODE_SUM_SIGNATURE = {
     "src_ptr": "*fp32", "ids_ptr": "*i32", "map_ptr": "*i32", "dst_ptr": "*bf16",
     "H": "i32", "S": "i32", "E": "i32", "GLOBAL_E": "i32", "top_k": "i32", "stride_dst": "i32",
-    "HAS_MAP": "constexpr", "PER_ROUTE": "constexpr", "BLOCK_H": "constexpr",
+    "HAS_MAP": "constexpr", "BLOCK_H": "constexpr",
 }
 _DIV_INTS = ("I", "K", "H", "stride_xt", "stride_am", "stride_we", "stride_wn", "stride_wse", "stride_wsn",
              "stride_om", "stride_dst")
@@ -372,8 +375,8 @@ def _tile_product(w, s, a, acc, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE
 @triton.jit
 def _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E,
                     HAS_MAP: tl.constexpr, BY_EXPERT: tl.constexpr, S_BLOCK: tl.constexpr):
-    """``(live, e, match, rank, count)`` of grid row ``row``: its local expert ``e``, the mask of the routes routed
-    to ``e`` among all ``S``, each route's rank among them and their count.  ``live`` is False for the programs that
+    """``(live, e, ids, match, rank, count)`` of grid row ``row``: its local expert ``e``, every route's local expert
+    (-1: none), the mask of the routes routed to ``e``, each route's rank among them and their count.  ``live`` is False for the programs that
     must do nothing: a slot that is not the first of its expert (or has none), an expert no route reaches."""
     offs = tl.arange(0, S_BLOCK)
     ids = _local_expert(ids_ptr, map_ptr, offs, S, E, GLOBAL_E, HAS_MAP)
@@ -389,7 +392,7 @@ def _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E,
         first = tl.min(tl.where(match, offs, S_BLOCK), axis=0)
         live = (e >= 0) & (first == row)
     rank = tl.cumsum(match.to(tl.int32), axis=0) - 1
-    return live, e, match, rank, count
+    return live, e, ids, match, rank, count
 
 
 @triton.jit
@@ -489,8 +492,8 @@ def _moe_decode_gate_up_kernel(
     pid_n = tl.program_id(1)
     if ZERO:  # the atomic down kernel's accumulator, one slice per program (every program, live or not)
         _zero_slice(zero_ptr, row * tl.num_programs(1) + pid_n, zero_numel, zero_chunk, _ZERO_BLOCK)
-    live, e, match, rank, count = _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E, HAS_MAP, BY_EXPERT,
-                                                  S_BLOCK)
+    live, e, ids, match, rank, count = _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E, HAS_MAP, BY_EXPERT,
+                                                       S_BLOCK)
     if live:
         # Stacked tile: rows 0..BLOCK_N are gate rows n, rows BLOCK_N..2 BLOCK_N the up rows I + n (the TMA box
         # [2, BLOCK_N, .] of the bank viewed as [2E, I, K/2]).
@@ -567,8 +570,16 @@ def _moe_decode_down_token_kernel(
 
 
 @triton.jit
+def _local_slots(ids, tok, top_k, S_BLOCK: tl.constexpr):
+    """Per token of ``tok``: how many of its slots have a local expert (``ids``: every route's local expert)."""
+    offs = tl.arange(0, S_BLOCK)
+    mine = ((offs // top_k)[None, :] == tok[:, None]) & (ids >= 0)[None, :]
+    return tl.sum(mine.to(tl.int32), axis=1)
+
+
+@triton.jit
 def _moe_decode_down_expert_kernel(
-    a_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, ids_ptr, map_ptr, tw_ptr, out_ptr,
+    a_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, ids_ptr, map_ptr, tw_ptr, ws_ptr, cnt_ptr, out_ptr,
     S, H, K, E, GLOBAL_E, top_k,
     stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     HAS_MAP: tl.constexpr, BY_EXPERT: tl.constexpr, DETERMINISTIC: tl.constexpr, S_BLOCK: tl.constexpr,
@@ -578,11 +589,19 @@ def _moe_decode_down_expert_kernel(
 ):
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
-    live, e, match, rank, count = _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E, HAS_MAP, BY_EXPERT,
-                                                  S_BLOCK)
+    num_n = tl.num_programs(1)
+    live, e, ids, match, rank, count = _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E, HAS_MAP, BY_EXPERT,
+                                                       S_BLOCK)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < H
+    if not DETERMINISTIC:
+        # A token none of whose slots has a local expert gets no down program: zeros, from the programs of grid
+        # row t, t + rows, ... (grid rows >= tokens in slot mode).
+        for t in range(row, S // top_k, tl.num_programs(0)):
+            if tl.sum(_local_slots(ids, tl.full((1,), t, tl.int32), top_k, S_BLOCK), axis=0) == 0:
+                tl.store(out_ptr + t * stride_om + rows,
+                         tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty), mask=row_ok)
     if live:
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < H
         e64 = e.to(tl.int64)
         w_rows = e64 * stride_we + rows.to(tl.int64) * stride_wn
         s_rows = e64 * stride_wse + rows.to(tl.int64) * stride_wsn
@@ -594,33 +613,40 @@ def _moe_decode_down_expert_kernel(
                                        FAST_DECODE, EVICT_FIRST, EVEN_K, NUM_STAGES)
             y = (acc * dec) * tl.load(tw_ptr + route, mask=r_ok, other=0.0)[None, :]
             mask = row_ok[:, None] & r_ok[None, :]
-            if DETERMINISTIC:  # one row per route, summed in slot order by the sum kernel
-                ptrs = out_ptr + route[None, :].to(tl.int64) * stride_om + rows[:, None]
-                tl.store(ptrs, y, mask=mask)
+            if DETERMINISTIC:  # one fp32 row per route, summed in slot order by the sum kernel
+                tl.store(ws_ptr + route[None, :].to(tl.int64) * H + rows[:, None], y, mask=mask)
             else:
-                ptrs = out_ptr + (route // top_k)[None, :].to(tl.int64) * stride_om + rows[:, None]
-                tl.atomic_add(ptrs, y, mask=mask, sem="relaxed")
+                # fp32 atomics into the token's row of the workspace (zeroed by the gate_up kernel); the program
+                # whose add completes a token's tile (the last of its local experts, counted in cnt) casts it.
+                tok = route // top_k
+                ws_tile = ws_ptr + tok[None, :].to(tl.int64) * H + rows[:, None]
+                tl.atomic_add(ws_tile, y, mask=mask, sem="relaxed")
+                tl.debug_barrier()  # every thread's adds before the release of the count
+                done = tl.atomic_add(cnt_ptr + tok * num_n + pid_n, 1, mask=r_ok, sem="acq_rel")
+                last = r_ok & (done == _local_slots(ids, tok, top_k, S_BLOCK) - 1)
+                tl.debug_barrier()
+                # .cg: the sum is in L2; this SM's L1 may hold a stale copy of a line shared with another tile.
+                total = tl.load(ws_tile, mask=row_ok[:, None] & last[None, :], other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + tok[None, :].to(tl.int64) * stride_om + rows[:, None],
+                         total.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & last[None, :])
 
 
 @triton.jit
 def _moe_decode_sum_kernel(
     src_ptr, ids_ptr, map_ptr, dst_ptr,
     H, S, E, GLOBAL_E, top_k, stride_dst,
-    HAS_MAP: tl.constexpr, PER_ROUTE: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_MAP: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """``PER_ROUTE``: ``dst[t] = sum over the token's slots with a local expert of src[t * top_k + slot]``, in
-    slot order (rows of other ranks' routes were never written); else ``dst[t] = src[t]`` (the atomic sum)."""
+    """``dst[t] = sum over the token's slots with a local expert of src[t * top_k + slot]`` in slot order (rows of
+    other ranks' routes were never written)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = offs < H
-    if PER_ROUTE:
-        acc = tl.zeros((BLOCK_H,), tl.float32)
-        for slot in range(top_k):
-            r = t * top_k + slot
-            e = _local_expert(ids_ptr, map_ptr, r, S, E, GLOBAL_E, HAS_MAP)
-            acc += tl.load(src_ptr + r * H + offs, mask=ok & (e >= 0), other=0.0)
-    else:
-        acc = tl.load(src_ptr + t * H + offs, mask=ok, other=0.0)
+    acc = tl.zeros((BLOCK_H,), tl.float32)
+    for slot in range(top_k):
+        r = t * top_k + slot
+        e = _local_expert(ids_ptr, map_ptr, r, S, E, GLOBAL_E, HAS_MAP)
+        acc += tl.load(src_ptr + r * H + offs, mask=ok & (e >= 0), other=0.0)
     tl.store(dst_ptr + t * stride_dst + offs, acc.to(dst_ptr.dtype.element_ty), mask=ok)
 
 
@@ -829,22 +855,25 @@ def moe_decode_down_token(
     return out
 
 
-def down_expert_workspace(t: int, top_k: int, h: int, deterministic: bool, device):
-    """The fp32 buffer :func:`moe_decode_down_expert` needs: ``[T, H]`` (atomic; zero it, e.g. with
-    ``moe_decode_gate_up(..., zero=ws)``) or ``[T * top_k, H]`` (deterministic; no zeroing)."""
+def down_expert_workspace(t: int, top_k: int, h: int, tile: DecodeTile, deterministic: bool, device):
+    """The fp32 workspace :func:`moe_decode_down_expert` needs, 1-D: atomic mode, the ``[T, H]`` fp32 sums and
+    ``T * cdiv(H, tile.block_n)`` int32 tile counts (zero it, e.g. with ``moe_decode_gate_up(..., zero=ws)``);
+    deterministic, the per-route rows ``[T * top_k, H]`` (no zeroing)."""
     import torch
 
-    return torch.empty((t * top_k if deterministic else t, h), dtype=torch.float32, device=device)
+    numel = t * top_k * h if deterministic else t * h + t * triton.cdiv(h, tile.block_n)
+    return torch.empty(numel, dtype=torch.float32, device=device)
 
 
 def moe_decode_down_expert(
     inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, workspace, *, tile: DecodeTile, expert_map=None,
     deterministic: bool = False, out=None, check_ids: bool = False,
 ):
-    """The down GEMM expert-major (each w2 block read once per call), then the top-k sum → ``out [T, H]``.
+    """The down GEMM expert-major (each w2 block read once per call) with the top-k sum → ``out [T, H]``.
 
-    ``workspace`` (:func:`down_expert_workspace`): atomic mode, ``[T, H]`` fp32 already zeroed (the gate_up kernel
-    can do it: ``zero=workspace``); ``deterministic``, ``[T * top_k, H]`` fp32, summed in slot order.
+    Atomic mode: fp32 atomics into the zeroed ``workspace`` (:func:`down_expert_workspace`; the gate_up kernel can
+    zero it: ``zero=workspace``), and the program completing a token's tile casts it into ``out``: one launch.
+    ``deterministic``: per-route fp32 rows, then a sum kernel in slot order (bit-identical run to run).
     """
     import torch
 
@@ -852,32 +881,34 @@ def moe_decode_down_expert(
 
     w_sf, e, h, i, t, k, global_e, emap, has_map = _check_down(inter, w2_codes, w2_scales, w2_dec, topk_ids,
                                                                topk_weights, expert_map, check_ids)
-    check_tensor("workspace", workspace, dtype=torch.float32, shape=[t * k if deterministic else t, h],
-                 device=inter.device)
-    if not workspace.is_contiguous():
-        raise ValueError("workspace: expected a contiguous tensor")
+    s = t * k
+    num_n = triton.cdiv(h, tile.block_n)
+    numel = s * h if deterministic else t * h + t * num_n
+    check_tensor("workspace", workspace, dtype=torch.float32, shape=[numel], device=inter.device)
     if out is None:
         out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
     check_tensor("out", out, dtype=inter.dtype, shape=[t, h], last_dim_contiguous=True, device=inter.device)
     tile.check_rows(tile.block_n, "down_expert")
     if t == 0:
         return out
-    s = t * k
+    ws = workspace if deterministic else workspace[: t * h]
+    counts = workspace.view(torch.int32) if deterministic else workspace[t * h:].view(torch.int32)
     rows = min(s, e)
     w_desc, s_desc = _descriptors("w2", w2_codes, w_sf, 1, tile)
-    _moe_decode_down_expert_kernel[(rows, triton.cdiv(h, tile.block_n))](
-        inter, w2_codes, w_sf, w_desc, s_desc, w2_dec, topk_ids, emap, topk_weights, workspace,
+    _moe_decode_down_expert_kernel[(rows, num_n)](
+        inter, w2_codes, w_sf, w_desc, s_desc, w2_dec, topk_ids, emap, topk_weights, ws, counts, out,
         s, h, i, e, global_e, k,
-        inter.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0), w_sf.stride(1), workspace.stride(0),
+        inter.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0),
         HAS_MAP=has_map, BY_EXPERT=rows < s, DETERMINISTIC=deterministic, S_BLOCK=_route_block(s),
         FAST_DECODE=_fast_decode(inter.device), EVEN_K=i % tile.block_k == 0, **tile.kernel_kwargs(),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
-    block_h = min(_SUM_BLOCK_H, triton.next_power_of_2(h))
-    _moe_decode_sum_kernel[(t, triton.cdiv(h, block_h))](
-        workspace, topk_ids, emap, out, h, s, e, global_e, k, out.stride(0),
-        HAS_MAP=has_map, PER_ROUTE=deterministic, BLOCK_H=block_h, num_warps=4,
-    )
+    if deterministic:
+        block_h = min(_SUM_BLOCK_H, triton.next_power_of_2(h))
+        _moe_decode_sum_kernel[(t, triton.cdiv(h, block_h))](
+            ws, topk_ids, emap, out, h, s, e, global_e, k, out.stride(0), HAS_MAP=has_map, BLOCK_H=block_h,
+            num_warps=4,
+        )
     return out
 
 
@@ -900,7 +931,8 @@ def moe_decode(
     check_tensor("w2_codes", w2_codes, ndim=3)
     ws = None
     if down == "expert":
-        ws = down_expert_workspace(x.shape[0], topk_ids.shape[1], w2_codes.shape[1], deterministic, x.device)
+        ws = down_expert_workspace(x.shape[0], topk_ids.shape[1], w2_codes.shape[1], down_tile, deterministic,
+                                   x.device)
     inter = moe_decode_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, tile=gate_up_tile, expert_map=expert_map,
                                activation=activation, zero=ws if (ws is not None and not deterministic) else None,
                                check_ids=check_ids)
