@@ -25,6 +25,7 @@ import sys
 import time
 
 import torch
+import triton
 
 # Run as a script from anywhere: the package is the repository's.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,6 +46,7 @@ SHAPES = {  # name: (H, I, E, top_k)
     "deepseek-v3": (7168, 2048, 256, 8),
     "qwen3-next-80b": (2048, 512, 512, 10),
 }
+EXTRA_SHAPES = {"tiny": (256, 256, 8, 2)}  # the CPU smoke test (not in the default list)
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
 
 # Candidates.  Tensor-core tiles keep M = 16 rows per warp (gate_up: 2 * block_n rows): with fewer rows per warp
@@ -73,8 +75,14 @@ DOWN = {  # name: (kernel, deterministic, tile)
     "exp-n32k256-w2-tma-det": ("expert", True, DecodeTile(32, 256, 16, num_warps=2, num_stages=4, use_dot=True,
                                                           use_tma=True)),
 }
+# What a run sweeps without --gate-up / --down (about ten kernel tiles: each compiles once per routing bucket, and
+# the compiles are most of the ~4 minutes); the others are there for a focused second run.
+DEFAULT_GATE_UP = ("gu-n16k256-w2-tma", "gu-n16k512-w2-tma", "gu-n8k256-w1-tma", "gu-n32k256-w4-tma",
+                   "gu-n16k256-w4-fma")
+DEFAULT_DOWN = ("tok-n16k256-w1", "tok-n32k256-w2-tma", "exp-n16k256-w1-tma", "exp-n32k256-w2-tma",
+                "exp-n32k256-w2-tma-det")
 # The pair every gate_up candidate is checked with, and every down candidate with.
-CHECK_GATE_UP = "gu-n16k256-w2"
+CHECK_GATE_UP = "gu-n16k256-w2-tma"
 CHECK_DOWN = "tok-n16k256-w1"
 
 
@@ -84,18 +92,23 @@ def candidate_ok(tile: DecodeTile, k: int) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-def _bank(e: int, rows: int, k: int, gen: torch.Generator):
+@triton.jit
+def _empty_kernel(x_ptr):
+    pass
+
+
+def _bank(e: int, rows: int, k: int, gen: torch.Generator, device):
     """Random codes (all bytes), e4m3 scales 2^u (1 + m/8) with u in [-3, 1], decode globals ~ 0.005."""
-    codes = torch.randint(0, 256, (e, rows, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
-    exp = torch.randint(-3, 2, (e, rows, k // 16), device="cuda", generator=gen).float()
-    mant = torch.randint(0, 8, (e, rows, k // 16), device="cuda", generator=gen).float()
+    codes = torch.randint(0, 256, (e, rows, k // 2), dtype=torch.uint8, device=device, generator=gen)
+    exp = torch.randint(-3, 2, (e, rows, k // 16), device=device, generator=gen).float()
+    mant = torch.randint(0, 8, (e, rows, k // 16), device=device, generator=gen).float()
     scales = (torch.exp2(exp) * (1 + mant / 8)).to(torch.float8_e4m3fn)
-    dec = 0.004 + 0.002 * torch.rand(e, device="cuda", generator=gen)
+    dec = 0.004 + 0.002 * torch.rand(e, device=device, generator=gen)
     return codes, scales, dec
 
 
-def _routing(t: int, e: int, k: int, gen: torch.Generator):
-    logits = torch.randn(t, e, device="cuda", generator=gen)
+def _routing(t: int, e: int, k: int, gen: torch.Generator, device):
+    logits = torch.randn(t, e, device=device, generator=gen)
     w, ids = torch.softmax(logits, -1).topk(k, dim=-1)
     return (w / w.sum(-1, keepdim=True)).float().contiguous(), ids.to(torch.int32).contiguous()
 
@@ -108,139 +121,168 @@ def _close(out, ref) -> tuple[bool, float]:
     return ok, err / scale if scale else err
 
 
-def _empty_launch_us(time_graph) -> dict:
-    import triton
-    import triton.language as tl
+class _Clock:
+    """The bench method on a GPU (CUDA graph of the calls, median of replays, DRAM read ceiling in the same run);
+    on the CPU (the interpreter smoke test) wall time and no ceiling."""
 
-    @triton.jit
-    def _empty(x_ptr):
-        pass
+    def __init__(self, device, repeats: int):
+        self.cuda = device.type == "cuda"
+        self.repeats = repeats
+        if self.cuda:
+            from vllm_nvfp4_sm120.bench import dram_read_tbs, time_graph
 
-    buf = torch.empty(1, device="cuda")
-    one = time_graph(lambda: (_empty[(1,)](buf), _empty[(1,)](buf)))
-    many = time_graph(lambda: [(_empty[(1,)](buf), _empty[(1,)](buf)) for _ in range(50)]) / 50
-    return {"graph_of_two_empty_kernels_us": one * 1e6, "two_empty_kernels_in_a_long_graph_us": many * 1e6}
+            self._time_graph = time_graph
+            self.read_tbs = dram_read_tbs()
+        else:
+            self.read_tbs = float("nan")
+
+    def seconds(self, fn) -> float:
+        if self.cuda:
+            return self._time_graph(fn, self.repeats)
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    def empty_launch_us(self) -> dict:
+        if not self.cuda:
+            return {}
+        buf = torch.empty(1, device="cuda")
+        pair = lambda: (_empty_kernel[(1,)](buf), _empty_kernel[(1,)](buf))  # noqa: E731
+        one = self.seconds(pair)
+        many = self.seconds(lambda: [pair() for _ in range(50)]) / 50
+        return {"graph_of_two_empty_kernels_us": one * 1e6, "two_empty_kernels_in_a_long_graph_us": many * 1e6}
 
 
-def sweep(args) -> dict:
-    from vllm_nvfp4_sm120.bench import dram_read_tbs, time_graph
-    from vllm_nvfp4_sm120.format import NvFp4, moe_ref
-
+def _today():
     try:
         from vllm_nvfp4_sm120.dispatch.moe_flow import nvfp4_moe
     except ImportError as exc:  # the dispatch layer is being restructured: the sweep still runs without it
         print(f"# today's path unavailable: {exc}", flush=True)
-        nvfp4_moe = None
+        return None
+    return nvfp4_moe
 
+
+def sweep(args) -> dict:
+    from vllm_nvfp4_sm120.format import NvFp4, moe_ref
+
+    device = torch.device(args.device)
     t_start = time.time()
-    bw = dram_read_tbs()
-    empty = _empty_launch_us(time_graph)
-    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  DRAM read {bw:.2f} TB/s  "
-          f"empty launches {empty}", flush=True)
-    gate_names = args.gate_up.split(",") if args.gate_up else list(GATE_UP)
-    down_names = args.down.split(",") if args.down else list(DOWN)
+    clock = _Clock(device, args.repeats)
+    bw = clock.read_tbs
+    empty = clock.empty_launch_us()
+    nvfp4_moe = None if args.no_baseline else _today()
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
+    print(f"# {name}  torch {torch.__version__}  DRAM read {bw:.2f} TB/s  empty launches {empty}", flush=True)
+    gate_names = args.gate_up.split(",") if args.gate_up else list(DEFAULT_GATE_UP)
+    down_names = args.down.split(",") if args.down else list(DEFAULT_DOWN)
+    if args.gate_up == "all":
+        gate_names = list(GATE_UP)
+    if args.down == "all":
+        down_names = list(DOWN)
     rows = []
     for shape in args.shapes.split(","):
-        h, i, e, k = SHAPES[shape]
+        h, i, e, k = (SHAPES | EXTRA_SHAPES)[shape]
         expert_bytes = 2 * i * h * 9 // 16 + h * i * 9 // 16  # codes (1/2 byte) + scales (1/16 byte) per weight
         copies = max(2, min(16, math.ceil(args.min_bytes / (k * expert_bytes))))
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        banks = [(_bank(e, 2 * i, h, gen), _bank(e, h, i, gen)) for _ in range(copies)]
+        gen = torch.Generator(device=device).manual_seed(0)
+        banks = [(_bank(e, 2 * i, h, gen, device), _bank(e, h, i, gen, device)) for _ in range(copies)]
         print(f"# {shape}: H={h} I={i} E={e} top_k={k}, {copies} bank copies "
               f"({copies * e * expert_bytes / 1e9:.1f} GB)", flush=True)
         gates = {n: GATE_UP[n] for n in gate_names if candidate_ok(GATE_UP[n], h)}
         downs = {n: DOWN[n] for n in down_names if candidate_ok(DOWN[n][2], i)}
         for t in [int(v) for v in args.tokens.split(",")]:
-            routes = [_routing(t, e, k, gen) for _ in range(copies)]
-            x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
-            touched = [int(torch.unique(ti).numel()) for _, ti in routes]
-            floor_us = sum(touched) / copies * expert_bytes / (bw * 1e12) * 1e6
-            (c13, s13, d13), (c2, s2, d2) = banks[0]
-            ref = moe_ref(x, NvFp4(c13, s13), d13, NvFp4(c2, s2), d2, *routes[0])
-            row = {"shape": shape, "H": h, "I": i, "E": e, "top_k": k, "T": t, "experts_touched": sum(touched) / copies,
-                   "floor_us": floor_us, "dram_read_tbs": bw, "copies": copies, "gate_up_us": {}, "down_us": {},
-                   "errors": {}}
-
-            def layer(gname, dname, c, out=None):
-                (c13, s13, d13), (c2, s2, d2) = banks[c]
-                kind, det, dtile = downs[dname]
-                return moe_decode(x, c13, s13, d13, c2, s2, d2, *routes[c], gate_up_tile=gates[gname],
-                                  down_tile=dtile, down=kind, deterministic=det, out=out)
-
-            check_g = CHECK_GATE_UP if CHECK_GATE_UP in gates else next(iter(gates))
-            check_d = CHECK_DOWN if CHECK_DOWN in downs else next(iter(downs))
-            for gname in gates:  # gate_up alone
-                ok, err = _close(layer(gname, check_d, 0), ref)
-                row["errors"][gname] = err
-                if not ok:
-                    print(f"  FAIL {shape} T={t} {gname}: max error {err:.3g} of max |ref|", flush=True)
-                    continue
-
-                def gate_calls(tile=gates[gname]):
-                    for c in range(copies):
-                        (c13, s13, d13), _ = banks[c]
-                        moe_decode_gate_up(x, c13, s13, d13, routes[c][1], tile=tile)
-
-                row["gate_up_us"][gname] = time_graph(gate_calls, args.repeats) / copies * 1e6
-            inters = []
-            for c in range(copies):
-                (c13, s13, d13), _ = banks[c]
-                inters.append(moe_decode_gate_up(x, c13, s13, d13, routes[c][1], tile=gates[check_g]))
-            for dname in downs:  # down alone (the atomic variant's zeroing is the gate_up kernel's)
-                ok, err = _close(layer(check_g, dname, 0), ref)
-                row["errors"][dname] = err
-                if not ok:
-                    print(f"  FAIL {shape} T={t} {dname}: max error {err:.3g} of max |ref|", flush=True)
-                    continue
-                kind, det, dtile = downs[dname]
-                out = torch.empty_like(x)
-                # Atomic mode alone: the workspace is not re-zeroed between replays (in the layer the gate_up kernel
-                # does it), so the counts overshoot and the final cast is skipped: a few KB less traffic.
-                wss = ([down_expert_workspace(t, k, h, dtile, det, x.device).zero_() for _ in range(copies)]
-                       if kind == "expert" else None)
-
-                def down_calls(kind=kind, det=det, dtile=dtile, wss=wss, out=out):
-                    for c in range(copies):
-                        _, (c2, s2, d2) = banks[c]
-                        tw, ti = routes[c]
-                        if kind == "token":
-                            moe_decode_down_token(inters[c], c2, s2, d2, ti, tw, tile=dtile, out=out)
-                        else:
-                            moe_decode_down_expert(inters[c], c2, s2, d2, ti, tw, wss[c], tile=dtile,
-                                                   deterministic=det, out=out)
-
-                row["down_us"][dname] = time_graph(down_calls, args.repeats) / copies * 1e6
-            if row["gate_up_us"] and row["down_us"]:
-                best_g = min(row["gate_up_us"], key=row["gate_up_us"].get)
-                best_d = min(row["down_us"], key=row["down_us"].get)
-                out = torch.empty_like(x)
-                row["best"] = f"{best_g} + {best_d}"
-                row["best_us"] = time_graph(lambda: [layer(best_g, best_d, c, out) for c in range(copies)],
-                                            args.repeats) / copies * 1e6
-                row["fraction_of_floor"] = floor_us / row["best_us"]
-                det_d = min((n for n in row["down_us"] if downs[n][0] == "token" or downs[n][1]),
-                            key=row["down_us"].get, default=None)
-                if det_d is not None:  # the best bit-reproducible layer (token-major or deterministic down)
-                    row["best_deterministic"] = f"{best_g} + {det_d}"
-                    row["best_deterministic_us"] = time_graph(
-                        lambda: [layer(best_g, det_d, c, out) for c in range(copies)], args.repeats) / copies * 1e6
-            if nvfp4_moe is not None and not args.no_baseline:
-                out = torch.empty_like(x)
-
-                def today(out=out):
-                    for c in range(copies):
-                        (c13, s13, d13), (c2, s2, d2) = banks[c]
-                        nvfp4_moe(x, c13, s13, d13, c2, s2, d2, *routes[c], out=out)
-
-                row["today_us"] = time_graph(today, args.repeats) / copies * 1e6
-                if "best_us" in row:
-                    row["speedup_vs_today"] = row["today_us"] / row["best_us"]
-            rows.append(row)
-            print(_fmt(row), flush=True)
+            rows.append(_point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_ref, NvFp4,
+                               nvfp4_moe))
+            print(_fmt(rows[-1]), flush=True)
         del banks
-        torch.cuda.empty_cache()
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dram_read_tbs": bw,
-            "empty_launch": empty, "seconds": time.time() - t_start, "rows": rows}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"device": name, "torch": torch.__version__, "dram_read_tbs": bw, "empty_launch": empty,
+            "seconds": time.time() - t_start, "rows": rows}
+
+
+def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_ref, NvFp4, nvfp4_moe) -> dict:
+    """One (shape, T): check every candidate, time gate_up and down candidates alone, the best pair, today's path."""
+    copies = len(banks)
+    routes = [_routing(t, e, k, gen, device) for _ in range(copies)]
+    x = torch.randn(t, h, device=device, generator=gen).to(torch.bfloat16 if device.type == "cuda" else torch.float16)
+    touched = [int(torch.unique(ti).numel()) for _, ti in routes]
+    expert_bytes = 2 * i * h * 9 // 16 + h * i * 9 // 16
+    floor_us = sum(touched) / copies * expert_bytes / (clock.read_tbs * 1e12) * 1e6
+    (c13, s13, d13), (c2, s2, d2) = banks[0]
+    ref = moe_ref(x, NvFp4(c13, s13), d13, NvFp4(c2, s2), d2, *routes[0])
+    row = {"shape": shape, "H": h, "I": i, "E": e, "top_k": k, "T": t, "experts_touched": sum(touched) / copies,
+           "floor_us": floor_us, "dram_read_tbs": clock.read_tbs, "copies": copies, "gate_up_us": {}, "down_us": {},
+           "errors": {}, "failed": []}
+
+    def layer(gname, dname, c, out=None):
+        (c13, s13, d13), (c2, s2, d2) = banks[c]
+        kind, det, dtile = downs[dname]
+        tw, ti = routes[c]
+        return moe_decode(x, c13, s13, d13, c2, s2, d2, tw, ti, gate_up_tile=gates[gname], down_tile=dtile,
+                          down=kind, deterministic=det, out=out)
+
+    def check(name, gname, dname) -> bool:
+        ok, err = _close(layer(gname, dname, 0), ref)
+        row["errors"][name] = err
+        if not ok:
+            row["failed"].append(name)
+            print(f"  FAIL {shape} T={t} {name}: max error {err:.3g} of max |ref|", flush=True)
+        return ok
+
+    check_g = CHECK_GATE_UP if CHECK_GATE_UP in gates else next(iter(gates))
+    check_d = CHECK_DOWN if CHECK_DOWN in downs else next(iter(downs))
+    for gname, tile in gates.items():  # gate_up alone
+        if check(gname, gname, check_d):
+            def gate_calls(tile=tile):
+                for c in range(copies):
+                    (c13, s13, d13), _ = banks[c]
+                    moe_decode_gate_up(x, c13, s13, d13, routes[c][1], tile=tile)
+
+            row["gate_up_us"][gname] = clock.seconds(gate_calls) / copies * 1e6
+    inters = [moe_decode_gate_up(x, *banks[c][0], routes[c][1], tile=gates[check_g]) for c in range(copies)]
+    for dname, (kind, det, dtile) in downs.items():  # down alone
+        if not check(dname, check_g, dname):
+            continue
+        out = torch.empty_like(x)
+        # Atomic mode alone: the workspace is not re-zeroed between replays (in the layer the gate_up kernel does
+        # it), so the tile counts overshoot and the final casts are skipped: a few KB less traffic.
+        wss = [down_expert_workspace(t, k, h, dtile, det, device).zero_() for _ in range(copies)]
+
+        def down_calls(kind=kind, det=det, dtile=dtile, wss=wss, out=out):
+            for c in range(copies):
+                _, (c2, s2, d2) = banks[c]
+                tw, ti = routes[c]
+                if kind == "token":
+                    moe_decode_down_token(inters[c], c2, s2, d2, ti, tw, tile=dtile, out=out)
+                else:
+                    moe_decode_down_expert(inters[c], c2, s2, d2, ti, tw, wss[c], tile=dtile, deterministic=det,
+                                           out=out)
+
+        row["down_us"][dname] = clock.seconds(down_calls) / copies * 1e6
+    out = torch.empty_like(x)
+    if row["gate_up_us"] and row["down_us"]:
+        best_g = min(row["gate_up_us"], key=row["gate_up_us"].get)
+        best_d = min(row["down_us"], key=row["down_us"].get)
+        row["best"] = f"{best_g} + {best_d}"
+        row["best_us"] = clock.seconds(lambda: [layer(best_g, best_d, c, out) for c in range(copies)]) / copies * 1e6
+        row["fraction_of_floor"] = floor_us / row["best_us"]
+        reproducible = [n for n in row["down_us"] if downs[n][0] == "token" or downs[n][1]]
+        if reproducible:  # the best bit-reproducible layer (token-major or deterministic expert-major down)
+            det_d = min(reproducible, key=row["down_us"].get)
+            row["best_deterministic"] = f"{best_g} + {det_d}"
+            row["best_deterministic_us"] = clock.seconds(
+                lambda: [layer(best_g, det_d, c, out) for c in range(copies)]) / copies * 1e6
+    if nvfp4_moe is not None:
+        def today():
+            for c in range(copies):
+                (c13, s13, d13), (c2, s2, d2) = banks[c]
+                nvfp4_moe(x, c13, s13, d13, c2, s2, d2, *routes[c], out=out)
+
+        row["today_us"] = clock.seconds(today) / copies * 1e6
+        if "best_us" in row:
+            row["speedup_vs_today"] = row["today_us"] / row["best_us"]
+    return row
 
 
 def _fmt(r: dict) -> str:
@@ -258,12 +300,13 @@ def main(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for moe_decode.json")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    p.add_argument("--gate-up", default="", help=f"comma-separated subset of {list(GATE_UP)}")
-    p.add_argument("--down", default="", help=f"comma-separated subset of {list(DOWN)}")
+    p.add_argument("--gate-up", default="", help=f"'all' or names of {list(GATE_UP)} (default {DEFAULT_GATE_UP})")
+    p.add_argument("--down", default="", help=f"'all' or names of {list(DOWN)} (default {DEFAULT_DOWN})")
     p.add_argument("--min-bytes", type=float, default=4e8, help="bytes the bank copies of one graph must touch")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--no-baseline", action="store_true", help="skip today's path")
     p.add_argument("--list", action="store_true", help="print the candidates and exit")
+    p.add_argument("--device", default="cuda", help="cuda; cpu runs the interpreter (a smoke test, no timing)")
     args = p.parse_args(argv)
     if args.list:
         for n, tile in GATE_UP.items():

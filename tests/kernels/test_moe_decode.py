@@ -227,7 +227,7 @@ KERNELS = {  # name: (kernel, signature, divisible, weight box parts)
 ROUTING_CONSTS = {
     "gate_up": dict(ACTIVATION="silu", HAS_MAP=True, BY_EXPERT=False, ZERO=False, S_BLOCK=64),
     "token": dict(HAS_MAP=True, TOPK_BLOCK=16),
-    "expert": dict(HAS_MAP=True, BY_EXPERT=False, DETERMINISTIC=False, S_BLOCK=64),
+    "expert": dict(HAS_MAP=True, BY_EXPERT=False, DETERMINISTIC=False, S_BLOCK=64, TOPK_BLOCK=8),
 }
 SASS_PRMT = r"\bPRMT\b"
 SASS_HMMA = r"\bHMMA\.16816\.F32\b"  # .BF16 for bf16, no suffix for fp16
@@ -495,3 +495,17 @@ def test_token_without_local_expert_is_zero(down, det):
     out = _run(p, DOT, DOT, down, det)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert_moe_close(out, _ref(p))
+
+
+def test_sweep_script_runs(tmp_path):
+    # The device sweep end to end on a tiny shape (in the interpreter on CPU): every candidate checked against the
+    # reference, the JSON written.  Guards the lead's device run against a script error.
+    import json
+
+    SWEEP.main(["--device", DEVICE, "--shapes", "tiny", "--tokens", "2", "--gate-up", "gu-n16k256-w2-tma",
+                "--down", "tok-n16k256-w1,exp-n32k256-w2-tma-det", "--min-bytes", "1", "--repeats", "2",
+                "--no-baseline", "--out", str(tmp_path)])
+    row = json.loads((tmp_path / "moe_decode.json").read_text())["rows"][0]
+    assert row["failed"] == [] and set(row["errors"]) == {"gu-n16k256-w2-tma", "tok-n16k256-w1",
+                                                          "exp-n32k256-w2-tma-det"}
+    assert row["best"] and row["best_us"] > 0 and row["experts_touched"] >= 2

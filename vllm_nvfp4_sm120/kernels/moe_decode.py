@@ -145,7 +145,7 @@ MOE_DECODE_DOWN_EXPERT_SIGNATURE = {
     "a_ptr": "*bf16", **_BANK, "tw_ptr": "*fp32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "out_ptr": "*bf16",
     **_DOWN_INTS,
     "HAS_MAP": "constexpr", "BY_EXPERT": "constexpr", "DETERMINISTIC": "constexpr", "S_BLOCK": "constexpr",
-    "FAST_DECODE": "constexpr", "EVEN_K": "constexpr", **_TILE_CONSTEXPRS,
+    "TOPK_BLOCK": "constexpr", "FAST_DECODE": "constexpr", "EVEN_K": "constexpr", **_TILE_CONSTEXPRS,
 }
 MOE_DECODE_SUM_SIGNATURE = {
     "src_ptr": "*fp32", "ids_ptr": "*i32", "map_ptr": "*i32", "dst_ptr": "*bf16",
@@ -375,9 +375,9 @@ def _tile_product(w, s, a, acc, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE
 @triton.jit
 def _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E,
                     HAS_MAP: tl.constexpr, BY_EXPERT: tl.constexpr, S_BLOCK: tl.constexpr):
-    """``(live, e, ids, match, rank, count)`` of grid row ``row``: its local expert ``e``, every route's local expert
-    (-1: none), the mask of the routes routed to ``e``, each route's rank among them and their count.  ``live`` is False for the programs that
-    must do nothing: a slot that is not the first of its expert (or has none), an expert no route reaches."""
+    """``(live, e, seen, count)`` of grid row ``row``: its local expert ``e``, per route the number of routes to ``e``
+    up to and including it, and their count.  ``live`` is False for the programs that must do nothing: a slot that
+    is not the first of its expert (or has none), an expert no route reaches."""
     offs = tl.arange(0, S_BLOCK)
     ids = _local_expert(ids_ptr, map_ptr, offs, S, E, GLOBAL_E, HAS_MAP)
     if BY_EXPERT:
@@ -391,17 +391,17 @@ def _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E,
         count = tl.sum(match.to(tl.int32), axis=0)
         first = tl.min(tl.where(match, offs, S_BLOCK), axis=0)
         live = (e >= 0) & (first == row)
-    rank = tl.cumsum(match.to(tl.int32), axis=0) - 1
-    return live, e, ids, match, rank, count
+    seen = tl.cumsum(match.to(tl.int32), axis=0)
+    return live, e, seen, count
 
 
 @triton.jit
-def _chunk_routes(match, rank, c0, count, S_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Routes ``c0 .. c0 + BLOCK_T`` of the expert (in route order) and their mask."""
-    offs = tl.arange(0, S_BLOCK)
+def _chunk_routes(seen, c0, count, BLOCK_T: tl.constexpr):
+    """Routes ``c0 .. c0 + BLOCK_T`` of the expert (in route order) and their mask.  ``seen`` is non-decreasing,
+    so the n-th route to the expert (from 0) is the number of routes with ``seen <= n``: one compare and one add
+    per (route, slot)."""
     want = c0 + tl.arange(0, BLOCK_T)
-    sel = match[None, :] & (rank[None, :] == want[:, None])
-    route = tl.sum(tl.where(sel, offs[None, :], 0), axis=1)
+    route = tl.sum((seen[None, :] <= want[:, None]).to(tl.int32), axis=1)
     return route, want < count
 
 
@@ -492,7 +492,7 @@ def _moe_decode_gate_up_kernel(
     pid_n = tl.program_id(1)
     if ZERO:  # the atomic down kernel's accumulator, one slice per program (every program, live or not)
         _zero_slice(zero_ptr, row * tl.num_programs(1) + pid_n, zero_numel, zero_chunk, _ZERO_BLOCK)
-    live, e, ids, match, rank, count = _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E, HAS_MAP, BY_EXPERT,
+    live, e, seen, count = _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E, HAS_MAP, BY_EXPERT,
                                                        S_BLOCK)
     if live:
         # Stacked tile: rows 0..BLOCK_N are gate rows n, rows BLOCK_N..2 BLOCK_N the up rows I + n (the TMA box
@@ -507,7 +507,7 @@ def _moe_decode_gate_up_kernel(
         dec = tl.load(w_dec_ptr + e)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         for c0 in range(0, count, BLOCK_T):
-            route, r_ok = _chunk_routes(match, rank, c0, count, S_BLOCK, BLOCK_T)
+            route, r_ok = _chunk_routes(seen, c0, count, BLOCK_T)
             acc = _expert_rows_product(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, 2 * e,
                                        pid_n * BLOCK_N, x_ptr, route // top_k, r_ok, stride_xt, K, 2 * BLOCK_N,
                                        BLOCK_K, BLOCK_T, USE_DOT, USE_TMA, FAST_DECODE, EVICT_FIRST, EVEN_K,
@@ -570,11 +570,12 @@ def _moe_decode_down_token_kernel(
 
 
 @triton.jit
-def _local_slots(ids, tok, top_k, S_BLOCK: tl.constexpr):
-    """Per token of ``tok``: how many of its slots have a local expert (``ids``: every route's local expert)."""
-    offs = tl.arange(0, S_BLOCK)
-    mine = ((offs // top_k)[None, :] == tok[:, None]) & (ids >= 0)[None, :]
-    return tl.sum(mine.to(tl.int32), axis=1)
+def _local_slots(ids_ptr, map_ptr, tok, S, E, GLOBAL_E, top_k, HAS_MAP: tl.constexpr, TOPK_BLOCK: tl.constexpr):
+    """Per token of ``tok``: how many of its slots have a local expert."""
+    slots = tl.arange(0, TOPK_BLOCK)
+    routes = tl.where(slots[None, :] < top_k, tok[:, None] * top_k + slots[None, :], S)
+    ids = _local_expert(ids_ptr, map_ptr, routes, S, E, GLOBAL_E, HAS_MAP)
+    return tl.sum((ids >= 0).to(tl.int32), axis=1)
 
 
 @triton.jit
@@ -583,14 +584,14 @@ def _moe_decode_down_expert_kernel(
     S, H, K, E, GLOBAL_E, top_k,
     stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     HAS_MAP: tl.constexpr, BY_EXPERT: tl.constexpr, DETERMINISTIC: tl.constexpr, S_BLOCK: tl.constexpr,
-    FAST_DECODE: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+    TOPK_BLOCK: tl.constexpr, FAST_DECODE: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr,
     EVICT_FIRST: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
     num_n = tl.num_programs(1)
-    live, e, ids, match, rank, count = _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E, HAS_MAP, BY_EXPERT,
+    live, e, seen, count = _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E, HAS_MAP, BY_EXPERT,
                                                        S_BLOCK)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < H
@@ -598,7 +599,9 @@ def _moe_decode_down_expert_kernel(
         # A token none of whose slots has a local expert gets no down program: zeros, from the programs of grid
         # row t, t + rows, ... (grid rows >= tokens in slot mode).
         for t in range(row, S // top_k, tl.num_programs(0)):
-            if tl.sum(_local_slots(ids, tl.full((1,), t, tl.int32), top_k, S_BLOCK), axis=0) == 0:
+            n_local = _local_slots(ids_ptr, map_ptr, tl.full((1,), t, tl.int32), S, E, GLOBAL_E, top_k, HAS_MAP,
+                                   TOPK_BLOCK)
+            if tl.sum(n_local, axis=0) == 0:
                 tl.store(out_ptr + t * stride_om + rows,
                          tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty), mask=row_ok)
     if live:
@@ -607,7 +610,7 @@ def _moe_decode_down_expert_kernel(
         s_rows = e64 * stride_wse + rows.to(tl.int64) * stride_wsn
         dec = tl.load(w_dec_ptr + e)
         for c0 in range(0, count, BLOCK_T):
-            route, r_ok = _chunk_routes(match, rank, c0, count, S_BLOCK, BLOCK_T)
+            route, r_ok = _chunk_routes(seen, c0, count, BLOCK_T)
             acc = _expert_rows_product(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, e, pid_n * BLOCK_N,
                                        a_ptr, route, r_ok, stride_am, K, BLOCK_N, BLOCK_K, BLOCK_T, USE_DOT, USE_TMA,
                                        FAST_DECODE, EVICT_FIRST, EVEN_K, NUM_STAGES)
@@ -623,7 +626,8 @@ def _moe_decode_down_expert_kernel(
                 tl.atomic_add(ws_tile, y, mask=mask, sem="relaxed")
                 tl.debug_barrier()  # every thread's adds before the release of the count
                 done = tl.atomic_add(cnt_ptr + tok * num_n + pid_n, 1, mask=r_ok, sem="acq_rel")
-                last = r_ok & (done == _local_slots(ids, tok, top_k, S_BLOCK) - 1)
+                n_local = _local_slots(ids_ptr, map_ptr, tok, S, E, GLOBAL_E, top_k, HAS_MAP, TOPK_BLOCK)
+                last = r_ok & (done == n_local - 1)
                 tl.debug_barrier()
                 # .cg: the sum is in L2; this SM's L1 may hold a stale copy of a line shared with another tile.
                 total = tl.load(ws_tile, mask=row_ok[:, None] & last[None, :], other=0.0, cache_modifier=".cg")
@@ -849,7 +853,7 @@ def moe_decode_down_token(
         inter, w2_codes, w_sf, w_desc, s_desc, w2_dec, topk_ids, emap, topk_weights, out,
         t * k, h, i, e, global_e, k,
         inter.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0),
-        HAS_MAP=has_map, TOPK_BLOCK=max(16, triton.next_power_of_2(k)), FAST_DECODE=_fast_decode(inter.device),
+        HAS_MAP=has_map, TOPK_BLOCK=max(2, triton.next_power_of_2(k)), FAST_DECODE=_fast_decode(inter.device),
         EVEN_K=i % tile.block_k == 0, **tile.kernel_kwargs(), num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
@@ -900,7 +904,8 @@ def moe_decode_down_expert(
         s, h, i, e, global_e, k,
         inter.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0),
         HAS_MAP=has_map, BY_EXPERT=rows < s, DETERMINISTIC=deterministic, S_BLOCK=_route_block(s),
-        FAST_DECODE=_fast_decode(inter.device), EVEN_K=i % tile.block_k == 0, **tile.kernel_kwargs(),
+        TOPK_BLOCK=max(2, triton.next_power_of_2(k)), FAST_DECODE=_fast_decode(inter.device),
+        EVEN_K=i % tile.block_k == 0, **tile.kernel_kwargs(),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     if deterministic:
