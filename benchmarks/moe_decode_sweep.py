@@ -52,7 +52,8 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64)
 # Candidates.  Tensor-core tiles keep M = 16 rows per warp (gate_up: 2 * block_n rows): with fewer rows per warp
 # Triton replicates the weight operand across warps.  On sm_90 a 64-row, 4-warp tile becomes a wgmma with the
 # weights as a register operand (its byte layout needs byte-wise shared-memory loads: kept as one candidate);
-# 16- and 32-row tiles are mma.sync as on sm_120.  CUDA-core tiles take one route per chunk.
+# 16- and 32-row tiles are mma.sync as on sm_120.  CUDA-core tiles take one route per chunk.  "-pdl" down tiles
+# start as programmatic dependents of the gate_up kernel and prefetch their weights into L2 while it finishes.
 GATE_UP = {
     "gu-n16k256-w2-tma": DecodeTile(16, 256, 16, num_warps=2, num_stages=4, use_dot=True, use_tma=True),
     "gu-n16k256-w2": DecodeTile(16, 256, 16, num_warps=2, num_stages=4, use_dot=True),
@@ -64,11 +65,15 @@ GATE_UP = {
 }
 DOWN = {  # name: (kernel, deterministic, tile)
     "tok-n16k256-w1": ("token", False, DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True)),
+    "tok-n16k256-w1-pdl": ("token", False, DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True,
+                                                      pdl=True)),
     "tok-n32k256-w2-tma": ("token", False, DecodeTile(32, 256, 16, num_warps=2, num_stages=4, use_dot=True,
                                                       use_tma=True)),
     "tok-n16k256-w4-fma": ("token", False, DecodeTile(16, 256, 1, num_warps=4, num_stages=4, use_dot=False)),
     "exp-n16k256-w1-tma": ("expert", False, DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True,
                                                        use_tma=True)),
+    "exp-n16k256-w1-tma-pdl": ("expert", False, DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True,
+                                                           use_tma=True, pdl=True)),
     "exp-n32k256-w2-tma": ("expert", False, DecodeTile(32, 256, 16, num_warps=2, num_stages=4, use_dot=True,
                                                        use_tma=True)),
     "exp-n32k256-w2": ("expert", False, DecodeTile(32, 256, 16, num_warps=2, num_stages=4, use_dot=True)),
@@ -79,8 +84,8 @@ DOWN = {  # name: (kernel, deterministic, tile)
 # the compiles are most of the ~4 minutes); the others are there for a focused second run.
 DEFAULT_GATE_UP = ("gu-n16k256-w2-tma", "gu-n16k512-w2-tma", "gu-n8k256-w1-tma", "gu-n32k256-w4-tma",
                    "gu-n16k256-w4-fma")
-DEFAULT_DOWN = ("tok-n16k256-w1", "tok-n32k256-w2-tma", "exp-n16k256-w1-tma", "exp-n32k256-w2-tma",
-                "exp-n32k256-w2-tma-det")
+DEFAULT_DOWN = ("tok-n16k256-w1", "tok-n16k256-w1-pdl", "exp-n16k256-w1-tma", "exp-n16k256-w1-tma-pdl",
+                "exp-n32k256-w2-tma", "exp-n32k256-w2-tma-det")
 # The pair every gate_up candidate is checked with, and every down candidate with.
 CHECK_GATE_UP = "gu-n16k256-w2-tma"
 CHECK_DOWN = "tok-n16k256-w1"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -225,8 +226,8 @@ KERNELS = {  # name: (kernel, signature, divisible, weight box parts)
                md.MOE_DECODE_DOWN_EXPERT_DIVISIBLE, 1),
 }
 ROUTING_CONSTS = {
-    "gate_up": dict(ACTIVATION="silu", HAS_MAP=True, BY_EXPERT=False, ZERO=False, S_BLOCK=64),
-    "token": dict(HAS_MAP=True, TOPK_BLOCK=16),
+    "gate_up": dict(ACTIVATION="silu", HAS_MAP=True, BY_EXPERT=False, ZERO=False, S_BLOCK=64, GDC=True),
+    "token": dict(HAS_MAP=True, TOPK_BLOCK=8),
     "expert": dict(HAS_MAP=True, BY_EXPERT=False, DETERMINISTIC=False, S_BLOCK=64, TOPK_BLOCK=8),
 }
 SASS_PRMT = r"\bPRMT\b"
@@ -244,6 +245,8 @@ def _compile(kind, tile: DecodeTile, extra: tuple = (), dtype: str = "bf16"):
     if dtype != "bf16":
         sig = {k: v.replace("bf16", dtype) for k, v in sig.items()}
     consts = ROUTING_CONSTS[kind] | dict(FAST_DECODE=True, EVEN_K=True) | tile.kernel_kwargs() | dict(extra)
+    if kind != "gate_up":
+        consts["PDL"] = tile.pdl
     return compile_kernel(f"vllm_nvfp4_sm120.kernels.moe_decode:{name}", sig, consts, divisible=div,
                           num_warps=tile.num_warps, num_stages=tile.num_stages)
 
@@ -259,6 +262,8 @@ def _check_sass(rep, tile: DecodeTile):
     rep.require_sass(SASS_HMMA if tile.use_dot else SASS_FFMA)
     if tile.use_tma:
         rep.require_ptx(PTX_TMA_LOAD)
+    if tile.pdl:  # the weight rows prefetched to L2, then the wait for the gate_up kernel
+        rep.require_ptx(r"prefetch\.global\.L2").require_ptx(r"griddepcontrol\.wait")
     if tile.use_dot:  # the pipelined loads are 16-byte asynchronous copies (the activations at least)
         rep.require_sass(SASS_CP_ASYNC_16B)
 
@@ -283,6 +288,8 @@ def test_switches_compile_for_sm120(kind, extra, dtype):
     tile = DecodeTile(16, 256, 16, num_warps=2, num_stages=4, use_dot=True)
     rep = _compile(kind, tile, extra, dtype)
     _check_sass(rep, tile)
+    if kind == "gate_up":  # lets a programmatically dependent down kernel start its prologue
+        rep.require_ptx(r"griddepcontrol\.launch_dependents")
     if kind == "expert" and not dict(extra).get("DETERMINISTIC"):
         # Vector fp32 atomics, the acq_rel tile count, and the completed tile read from L2.
         rep.require_ptx(r"atom\.global\.gpu\.relaxed\.add\.v4\.f32").require_ptx(r"atom\.global\.gpu\.acq_rel\.add")
@@ -303,7 +310,8 @@ def test_sum_kernel_compiles_for_sm120():
 GPU_TOKENS = [1, 2, 3, 5, 16, 64]
 # Down variants of the GPU tests: (kernel, deterministic), each with its sweep candidate tile.
 GPU_DOWN = {"token": ("tok-n16k256-w1", False), "expert": ("exp-n32k256-w2", False),
-            "expert-det": ("exp-n32k256-w2-tma-det", True)}
+            "expert-det": ("exp-n32k256-w2-tma-det", True), "token-pdl": ("tok-n16k256-w1-pdl", False),
+            "expert-pdl": ("exp-n16k256-w1-tma-pdl", False)}
 
 
 def _gpu_tiles(h, i, gate_name="gu-n16k256-w2-tma", down="token"):
@@ -312,7 +320,7 @@ def _gpu_tiles(h, i, gate_name="gu-n16k256-w2-tma", down="token"):
         gate = SWEEP.GATE_UP["gu-n16k256-w2"]
     kind, det, dtile = SWEEP.DOWN[GPU_DOWN[down][0]]
     if dtile.use_tma and not md.tma_ok(i):
-        dtile = SWEEP.DOWN["exp-n32k256-w2"][2]
+        dtile = replace(dtile, use_tma=False)
     return gate, kind, det, dtile
 
 
@@ -334,15 +342,16 @@ def _gpu_problem(name, t, *, skewed=False, dtype=torch.bfloat16, with_map=False)
 @pytest.mark.parametrize("t", GPU_TOKENS)
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "qwen3-next-80b", "odd"])
 def test_gpu_layer(name, t, down):
-    h, i, p = _gpu_problem(name, t)
+    h, i, p, ref = _gpu_problem_and_ref(name, t)
     gate, kind, det, dtile = _gpu_tiles(h, i, down=down)
-    assert_moe_close(_run(p, gate, dtile, kind, det), _ref(p))
+    assert_moe_close(_run(p, gate, dtile, kind, det), ref)
 
 
 @functools.cache
-def _gpu_problem_and_ref(name, t):
-    h, i, p = _gpu_problem(name, t)
-    return p, _ref(p)
+def _gpu_problem_and_ref(name, t, activation="silu", **kwargs):
+    """One problem and its reference per (shape, T, options): the reference is the slow part."""
+    h, i, p = _gpu_problem(name, t, **kwargs)
+    return h, i, p, _ref(p, activation)
 
 
 @pytest.mark.gpu
@@ -350,7 +359,7 @@ def _gpu_problem_and_ref(name, t):
 @pytest.mark.parametrize("down_name", list(SWEEP.DOWN))
 @pytest.mark.parametrize("name,t", [("qwen3-30b-a3b", 4), ("qwen3-next-80b", 64)])
 def test_gpu_every_sweep_candidate(name, t, gate_name, down_name):
-    p, ref = _gpu_problem_and_ref(name, t)
+    _, _, p, ref = _gpu_problem_and_ref(name, t)
     gate = SWEEP.GATE_UP[gate_name]
     kind, det, dtile = SWEEP.DOWN[down_name]
     assert_moe_close(_run(p, gate, dtile, kind, det), ref)
@@ -361,13 +370,13 @@ def test_gpu_every_sweep_candidate(name, t, gate_name, down_name):
 @pytest.mark.parametrize("t", [1, 5, 64])
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3", "odd"])
 def test_gpu_fp16_gelu_map_skewed(name, t, down):
-    h, i, p = _gpu_problem(name, t, skewed=True, dtype=torch.float16, with_map=True)
+    h, i, p, ref = _gpu_problem_and_ref(name, t, "gelu_tanh", skewed=True, dtype=torch.float16, with_map=True)
     gate, kind, det, dtile = _gpu_tiles(h, i, down=down)
-    assert_moe_close(_run(p, gate, dtile, kind, det, "gelu_tanh"), _ref(p, "gelu_tanh"))
+    assert_moe_close(_run(p, gate, dtile, kind, det, "gelu_tanh"), ref)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("down", ["token", "expert-det"])
+@pytest.mark.parametrize("down", ["token", "expert-det", "token-pdl"])
 def test_gpu_deterministic_and_graph_replay(down):
     h, i, p = _gpu_problem("qwen3-30b-a3b", 16, with_map=True)
     gate, kind, det, dtile = _gpu_tiles(h, i, down=down)
@@ -390,10 +399,11 @@ def test_gpu_deterministic_and_graph_replay(down):
 
 
 @pytest.mark.gpu
-def test_gpu_atomic_graph_replay_close():
+@pytest.mark.parametrize("down", ["expert", "expert-pdl"])
+def test_gpu_atomic_graph_replay_close(down):
     # fp32 atomics: replays may differ in the last bits, never beyond the summation-order tolerance.
     h, i, p = _gpu_problem("deepseek-v3", 5)
-    gate, kind, det, dtile = _gpu_tiles(h, i, down="expert")
+    gate, kind, det, dtile = _gpu_tiles(h, i, down=down)
     x, w13, d13, w2, d2, tw, ti, emap = p
     out = torch.empty_like(x)
     _run(p, gate, dtile, kind, det)

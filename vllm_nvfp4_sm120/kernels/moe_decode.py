@@ -74,7 +74,10 @@ class DecodeTile:
     token-major down kernel has one route per step and pads it to ``block_t``.  ``use_tma``: weight codes and scales
     through TMA descriptors (sm_90+; the bank's K must be a multiple of 256 and ``block_k`` >= 256, see
     :func:`tma_ok`) instead of pointer loads.  ``evict_first``: pointer weight loads with the evict-first L2 policy
-    (every weight byte is read once per call).
+    (every weight byte is read once per call).  ``pdl`` (down kernels, GPU): launched as a programmatic dependent of
+    the gate_up kernel (which signals at its start), a program computes its routing and prefetches its weight rows
+    into L2 while the gate_up kernel finishes, then waits for it (``griddepcontrol.wait``) before touching anything it
+    wrote or anything later kernels read.
     """
 
     block_n: int
@@ -85,6 +88,7 @@ class DecodeTile:
     use_dot: bool
     use_tma: bool = False
     evict_first: bool = False
+    pdl: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "block_t", "num_warps"):
@@ -111,6 +115,13 @@ class DecodeTile:
         return dict(BLOCK_N=self.block_n, BLOCK_K=self.block_k, BLOCK_T=self.block_t, USE_DOT=self.use_dot,
                     USE_TMA=self.use_tma, EVICT_FIRST=self.evict_first, NUM_STAGES=self.num_stages)
 
+    def launch_kwargs(self, pdl_ok: bool) -> dict:
+        """``num_warps``, ``num_stages`` and, for a ``pdl`` tile where the device has it, ``launch_pdl``."""
+        kw = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.pdl and pdl_ok:
+            kw["launch_pdl"] = True
+        return kw
+
 
 def tma_ok(k: int) -> bool:
     """Whether a bank with reduction size ``K`` can be read through TMA: the scale rows (K/16 bytes) must be a
@@ -134,18 +145,20 @@ MOE_DECODE_GATE_UP_SIGNATURE = {
     **{k: "i32" for k in ("S", "I", "K", "E", "GLOBAL_E", "top_k", "zero_numel", "zero_chunk", "stride_xt",
                           "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_om")},
     "ACTIVATION": "constexpr", "HAS_MAP": "constexpr", "BY_EXPERT": "constexpr", "ZERO": "constexpr",
-    "S_BLOCK": "constexpr", "FAST_DECODE": "constexpr", "EVEN_K": "constexpr", **_TILE_CONSTEXPRS,
+    "S_BLOCK": "constexpr", "FAST_DECODE": "constexpr", "EVEN_K": "constexpr", "GDC": "constexpr",
+    **_TILE_CONSTEXPRS,
 }
 MOE_DECODE_DOWN_TOKEN_SIGNATURE = {
     "a_ptr": "*bf16", **_BANK, "tw_ptr": "*fp32", "out_ptr": "*bf16", **_DOWN_INTS,
     "HAS_MAP": "constexpr", "TOPK_BLOCK": "constexpr", "FAST_DECODE": "constexpr", "EVEN_K": "constexpr",
-    **_TILE_CONSTEXPRS,
+    "PDL": "constexpr", **_TILE_CONSTEXPRS,
 }
 MOE_DECODE_DOWN_EXPERT_SIGNATURE = {
     "a_ptr": "*bf16", **_BANK, "tw_ptr": "*fp32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "out_ptr": "*bf16",
     **_DOWN_INTS,
     "HAS_MAP": "constexpr", "BY_EXPERT": "constexpr", "DETERMINISTIC": "constexpr", "S_BLOCK": "constexpr",
-    "TOPK_BLOCK": "constexpr", "FAST_DECODE": "constexpr", "EVEN_K": "constexpr", **_TILE_CONSTEXPRS,
+    "TOPK_BLOCK": "constexpr", "FAST_DECODE": "constexpr", "EVEN_K": "constexpr", "PDL": "constexpr",
+    **_TILE_CONSTEXPRS,
 }
 MOE_DECODE_SUM_SIGNATURE = {
     "src_ptr": "*fp32", "ids_ptr": "*i32", "map_ptr": "*i32", "dst_ptr": "*bf16",
@@ -370,6 +383,41 @@ def _tile_product(w, s, a, acc, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Programmatic dependent launch: the down kernel's prologue overlaps the gate_up kernel's tail
+# ---------------------------------------------------------------------------------------------------------------
+_PREFETCH_L2_PTX = tl.constexpr("prefetch.global.L2 [$1]; // $0")
+_GDC_WAIT_PTX = tl.constexpr("griddepcontrol.wait; // $0")
+_GDC_LAUNCH_PTX = tl.constexpr("griddepcontrol.launch_dependents; // $0")
+
+
+@triton.jit
+def _gdc_wait(GDC: tl.constexpr):
+    """Wait for the preceding grid and the visibility of its writes (a no-op when not launched as a dependent)."""
+    if GDC:
+        tl.inline_asm_elementwise(_GDC_WAIT_PTX, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _gdc_launch_dependents(GDC: tl.constexpr):
+    """Let a programmatically dependent next grid start once every program here has started."""
+    if GDC:
+        tl.inline_asm_elementwise(_GDC_LAUNCH_PTX, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_rows(w_ptr, w_sf_ptr, w_rows, s_rows, row_ok, K):
+    """L2 prefetch of weight rows (byte offsets ``w_rows`` / ``s_rows`` into the codes / scales), 128-byte lines."""
+    for off in range(0, K // 2, 128):
+        ptrs = tl.where(row_ok, w_ptr + w_rows + off, w_ptr)
+        tl.inline_asm_elementwise(_PREFETCH_L2_PTX, "=r,l", [ptrs.to(tl.int64)], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+    for off in range(0, K // 16, 128):
+        ptrs = tl.where(row_ok, w_sf_ptr + s_rows + off, w_sf_ptr)
+        tl.inline_asm_elementwise(_PREFETCH_L2_PTX, "=r,l", [ptrs.to(tl.int64)], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Routing: which program works, and the routes of its expert
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
@@ -485,15 +533,17 @@ def _moe_decode_gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     ACTIVATION: tl.constexpr, HAS_MAP: tl.constexpr, BY_EXPERT: tl.constexpr, ZERO: tl.constexpr,
     S_BLOCK: tl.constexpr, FAST_DECODE: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr,
+    GDC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr,
     EVICT_FIRST: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
+    # A down kernel launched as a programmatic dependent may start its prologue (routing, L2 prefetch of its
+    # weights: nothing this kernel writes) as soon as every program here has started.
+    _gdc_launch_dependents(GDC)
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
     if ZERO:  # the atomic down kernel's accumulator, one slice per program (every program, live or not)
         _zero_slice(zero_ptr, row * tl.num_programs(1) + pid_n, zero_numel, zero_chunk, _ZERO_BLOCK)
-    live, e, seen, count = _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E, HAS_MAP, BY_EXPERT,
-                                                       S_BLOCK)
+    live, e, seen, count = _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E, HAS_MAP, BY_EXPERT, S_BLOCK)
     if live:
         # Stacked tile: rows 0..BLOCK_N are gate rows n, rows BLOCK_N..2 BLOCK_N the up rows I + n (the TMA box
         # [2, BLOCK_N, .] of the bank viewed as [2E, I, K/2]).
@@ -524,7 +574,7 @@ def _moe_decode_down_token_kernel(
     S, H, K, E, GLOBAL_E, top_k,
     stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     HAS_MAP: tl.constexpr, TOPK_BLOCK: tl.constexpr, FAST_DECODE: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+    USE_TMA: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
     USE_DOT: tl.constexpr, EVICT_FIRST: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -541,6 +591,12 @@ def _moe_decode_down_token_kernel(
 
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < H
+    if PDL:  # everything above reads only the router's outputs; the intermediate is the gate_up kernel's
+        for j in range(n_live):
+            e64 = tl.sum(tl.where(ok & (rank == j), ids, 0), axis=0).to(tl.int64)
+            _prefetch_rows(w_ptr, w_sf_ptr, e64 * stride_we + rows.to(tl.int64) * stride_wn,
+                           e64 * stride_wse + rows.to(tl.int64) * stride_wsn, row_ok, K)
+        _gdc_wait(PDL)
     cols = tl.arange(0, BLOCK_T)
     nk = tl.cdiv(K, BLOCK_K)
     y = _acc_init(BLOCK_N, BLOCK_K, BLOCK_T, USE_DOT)
@@ -585,16 +641,22 @@ def _moe_decode_down_expert_kernel(
     stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     HAS_MAP: tl.constexpr, BY_EXPERT: tl.constexpr, DETERMINISTIC: tl.constexpr, S_BLOCK: tl.constexpr,
     TOPK_BLOCK: tl.constexpr, FAST_DECODE: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr,
+    PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr,
     EVICT_FIRST: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
     num_n = tl.num_programs(1)
-    live, e, seen, count = _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E, HAS_MAP, BY_EXPERT,
-                                                       S_BLOCK)
+    live, e, seen, count = _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E, HAS_MAP, BY_EXPERT, S_BLOCK)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < H
+    e64 = e.to(tl.int64)
+    w_rows = e64 * stride_we + rows.to(tl.int64) * stride_wn
+    s_rows = e64 * stride_wse + rows.to(tl.int64) * stride_wsn
+    if PDL:  # the routing reads only the router's outputs; no write before the gate_up kernel is done
+        if live:
+            _prefetch_rows(w_ptr, w_sf_ptr, w_rows, s_rows, row_ok, K)
+        _gdc_wait(PDL)
     if not DETERMINISTIC:
         # A token none of whose slots has a local expert gets no down program: zeros, from the programs of grid
         # row t, t + rows, ... (grid rows >= tokens in slot mode).
@@ -605,9 +667,6 @@ def _moe_decode_down_expert_kernel(
                 tl.store(out_ptr + t * stride_om + rows,
                          tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty), mask=row_ok)
     if live:
-        e64 = e.to(tl.int64)
-        w_rows = e64 * stride_we + rows.to(tl.int64) * stride_wn
-        s_rows = e64 * stride_wse + rows.to(tl.int64) * stride_wsn
         dec = tl.load(w_dec_ptr + e)
         for c0 in range(0, count, BLOCK_T):
             route, r_ok = _chunk_routes(seen, c0, count, BLOCK_T)
@@ -737,6 +796,13 @@ def _fast_decode(device) -> bool:
     return device.type == "cuda" and not _interpreting()
 
 
+def _gdc_ok(device) -> bool:
+    """Grid dependency control (``griddepcontrol``, programmatic dependent launch): sm_90+, not the interpreter."""
+    import torch
+
+    return _fast_decode(device) and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _descriptors(name: str, codes, scale_bytes, parts: int, tile: DecodeTile):
     """``(w_desc, s_desc)`` kernel arguments: TMA descriptors over the bank viewed as ``[E * parts, rows / parts,
     K/2]`` (gate_up: parts 2, the gate and the up halves) when the tile asks for TMA, else the tensors (unused)."""
@@ -813,7 +879,7 @@ def moe_decode_gate_up(
         x.stride(0), w13_codes.stride(0), w13_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0),
         ACTIVATION=activation, HAS_MAP=has_map, BY_EXPERT=rows < s, ZERO=zero is not None,
         S_BLOCK=_route_block(s), FAST_DECODE=_fast_decode(x.device), EVEN_K=h % tile.block_k == 0,
-        **tile.kernel_kwargs(), num_warps=tile.num_warps, num_stages=tile.num_stages,
+        GDC=_gdc_ok(x.device), **tile.kernel_kwargs(), num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
 
@@ -854,7 +920,8 @@ def moe_decode_down_token(
         t * k, h, i, e, global_e, k,
         inter.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0),
         HAS_MAP=has_map, TOPK_BLOCK=max(2, triton.next_power_of_2(k)), FAST_DECODE=_fast_decode(inter.device),
-        EVEN_K=i % tile.block_k == 0, **tile.kernel_kwargs(), num_warps=tile.num_warps, num_stages=tile.num_stages,
+        EVEN_K=i % tile.block_k == 0, PDL=tile.pdl and _gdc_ok(inter.device), **tile.kernel_kwargs(),
+        **tile.launch_kwargs(_gdc_ok(inter.device)),
     )
     return out
 
@@ -905,8 +972,8 @@ def moe_decode_down_expert(
         inter.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0),
         HAS_MAP=has_map, BY_EXPERT=rows < s, DETERMINISTIC=deterministic, S_BLOCK=_route_block(s),
         TOPK_BLOCK=max(2, triton.next_power_of_2(k)), FAST_DECODE=_fast_decode(inter.device),
-        EVEN_K=i % tile.block_k == 0, **tile.kernel_kwargs(),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        EVEN_K=i % tile.block_k == 0, PDL=tile.pdl and _gdc_ok(inter.device), **tile.kernel_kwargs(),
+        **tile.launch_kwargs(_gdc_ok(inter.device)),
     )
     if deterministic:
         block_h = min(_SUM_BLOCK_H, triton.next_power_of_2(h))
