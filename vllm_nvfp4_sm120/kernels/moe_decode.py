@@ -10,17 +10,18 @@ Kernels (weight-only numerics, as ``format.moe_ref(..., a13_gs=None, a2_gs=None)
 * ``_moe_decode_gate_up_kernel`` — expert-major with in-kernel dedupe.  Grid ``(rows, cdiv(I, BLOCK_N))`` where a
   *row* is a route slot (``rows = T * top_k``) or, when there are more slots than local experts, a local expert
   (``rows = E``): the smaller grid.  The program of slot ``s`` works only if ``s`` is the first slot routed to its
-  expert ``e``; that program (or the program of expert ``e``) gathers every route of ``e`` (a cumsum over the
-  match mask, ``BLOCK_T`` routes per chunk) and computes their gate and up columns ``j * BLOCK_N ..`` together: the
+  expert ``e``; that program (or the program of expert ``e``) gathers every route of ``e`` (a running count over
+  the match mask, ``BLOCK_T`` routes per chunk) and computes their gate and up columns ``j * BLOCK_N ..`` together: the
   gate rows and the up rows of those columns are one stacked ``[2 * BLOCK_N, K]`` weight tile, so each touched
   expert's w13 bytes are read from DRAM once per call however many tokens share it.  Epilogue
   ``act(gate * dec) * (up * dec)`` in fp32 → the intermediate ``[T * top_k, I]`` in ``x.dtype``, one row per
   route (rows of routes no local expert takes are left unwritten; nobody reads them).  Its programs can also zero
-  the fp32 accumulator the atomic down kernel adds into (they run first).
+  the fp32 workspace the atomic down kernel adds into (they run first).
 * ``_moe_decode_down_token_kernel`` — token-major: grid ``(T, cdiv(H, BLOCK_N))``; one program loops over its
   token's ``top_k`` slots and K tiles in one flattened, pipelined loop, multiplies each partial product by
   ``w2_dec[e] * topk_weight`` and sums in fp32 in slot order, then stores ``x.dtype``.  No atomics, no zeroing,
-  bit-identical across runs; re-reads the w2 rows of an expert shared by several tokens.
+  bit-identical across runs; re-reads the w2 rows of an expert shared by several tokens (from L2 when the
+  tokens' programs run together).
 * ``_moe_decode_down_expert_kernel`` — expert-major with the gate_up dedupe: each w2 block read once per call.
   Atomic mode: the routing-weighted rows are fp32-atomically added into a ``[T, H]`` workspace (zeroed by the
   gate_up kernel's programs) and counted per (token, H tile); the program whose add completes a tile (the last of
@@ -36,7 +37,12 @@ exact up to summation order.
 Decode (``FAST_DECODE`` constexpr): an inline-PTX lop3/prmt table (fp4_decode's, sm_80+) extended by the block
 scale multiply on the packed pairs (``mul.rn.{bf16,f16}x2``, sm_90+), so one code byte becomes one 32-bit register
 holding its two scaled 16-bit weights, the register an MMA operand pair is; without it, the pure-``tl`` decode of
-fp4_decode (interpreter, any GPU).
+fp4_decode (interpreter, any GPU).  The block scales become packed pairs by the hardware e4m3 convert.
+
+Launch overlap (``pdl`` tiles of the down kernels, sm_90+): the gate_up kernel signals its dependents when it
+starts; a down kernel launched as a programmatic dependent computes its routing and prefetches its weight rows into
+L2 while the gate_up kernel finishes, and waits for it before reading the intermediate or writing anything.  At
+T = 1 the two dependent launches and the first DRAM latency are a real part of the layer's time.
 
 Routing ids out of range (``< 0`` or ``>= E``, or ``>= len(expert_map)`` with a map) cannot be checked on the device
 without a host sync: the kernels treat them as another rank's expert (the route contributes nothing), exactly as
