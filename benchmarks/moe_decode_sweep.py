@@ -58,7 +58,6 @@ GATE_UP = {
     "gu-n16k256-w2-tma": DecodeTile(16, 256, 16, num_warps=2, num_stages=4, use_dot=True, use_tma=True),
     "gu-n16k256-w2": DecodeTile(16, 256, 16, num_warps=2, num_stages=4, use_dot=True),
     "gu-n16k512-w2-tma": DecodeTile(16, 512, 16, num_warps=2, num_stages=3, use_dot=True, use_tma=True),
-    "gu-n16k512-w2": DecodeTile(16, 512, 16, num_warps=2, num_stages=3, use_dot=True),
     "gu-n8k256-w1-tma": DecodeTile(8, 256, 16, num_warps=1, num_stages=6, use_dot=True, use_tma=True),
     "gu-n32k256-w4-tma": DecodeTile(32, 256, 16, num_warps=4, num_stages=4, use_dot=True, use_tma=True),
     "gu-n16k256-w4-fma": DecodeTile(16, 256, 1, num_warps=4, num_stages=4, use_dot=False),

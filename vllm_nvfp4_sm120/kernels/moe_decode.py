@@ -199,8 +199,8 @@ def tma_signature(signature: dict, divisible: list[str], parts: int, block_n: in
 # fp4_decode's bf16 / fp16 tables (4 code bytes in $4 → 4 pairs), then pair i times the block scale pair $5+i
 # (both halves = byte i's scale).  The op is bytewise: which 4 bytes of a thread Triton packs into one instance
 # depends on the layout (on sm_90's wgmma operand they are 4 bytes apart), so no two need share a scale.  A prmt
-# takes one immediate: each table's first word is an operand ($9, $13, $17: the same constant for every byte).
-# Triton passes one register per 32-bit element of an argument, so $10..$12, $14..$16, $18..$20 repeat them.
+# takes one immediate: each table's first word is an operand ($9, $13, $17; see _thread_constant).  Triton passes
+# one register per 32-bit element of an argument, so $10..$12, $14..$16, $18..$20 repeat them.
 _SCALED_BF16X2_PTX = tl.constexpr(
     "{\n"
     ".reg .b32 a<17>;\n"
@@ -797,16 +797,15 @@ def _route_block(routes: int) -> int:
 
 
 def _fast_decode(device) -> bool:
-    """The inline-PTX decode on a GPU (sm_90+: the scale multiply is ``mul.{bf16,f16}x2``); the ``tl`` one in the
-    interpreter.  Not a tuning choice: both give the same bits."""
-    return device.type == "cuda" and not _interpreting()
-
-
-def _gdc_ok(device) -> bool:
-    """Grid dependency control (``griddepcontrol``, programmatic dependent launch): sm_90+, not the interpreter."""
+    """The inline-PTX decode where it compiles (sm_90+: ``mul.bf16x2``), else the pure-``tl`` one (the interpreter,
+    older GPUs).  Not a tuning choice: both give the same bits.  The same condition gates grid dependency control
+    (``griddepcontrol``, sm_90+)."""
     import torch
 
-    return _fast_decode(device) and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and not _interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+_gdc_ok = _fast_decode
 
 
 def _descriptors(name: str, codes, scale_bytes, parts: int, tile: DecodeTile):
@@ -890,15 +889,23 @@ def moe_decode_gate_up(
     return out
 
 
-def _check_down(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expert_map, check_ids):
+def _check_down(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expert_map, check_ids, out,
+                tile: DecodeTile, kernel: str):
+    """The down launchers' checks; allocates ``out [T, H]`` (``inter.dtype``) if not given."""
+    import torch
+
     from ..format.checks import ACT_DTYPES, check_tensor
 
     check_tensor("inter", inter, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
     w_sf, e, h, i = _check_bank("w2", w2_codes, w2_scales, w2_dec, None, inter.shape[1], inter.device)
     t, k, global_e, emap, has_map = _check_routing(topk_ids, topk_weights, expert_map, e, None, check_ids,
-                                                        inter.device)
+                                                   inter.device)
     check_tensor("inter", inter, shape=[t * k, i], device=inter.device)
-    return w_sf, e, h, i, t, k, global_e, emap, has_map
+    if out is None:
+        out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
+    check_tensor("out", out, dtype=inter.dtype, shape=[t, h], last_dim_contiguous=True, device=inter.device)
+    tile.check_rows(tile.block_n, kernel)
+    return w_sf, e, h, i, t, k, global_e, emap, has_map, out
 
 
 def moe_decode_down_token(
@@ -907,16 +914,8 @@ def moe_decode_down_token(
 ):
     """``out [T, H] = sum over slots of topk_weight * w2_dec[e] * (inter[route] @ w2[e]^T)`` in ``inter.dtype``:
     token-major, fp32 sum in slot order (bit-identical run to run), no atomics, no zeroing."""
-    import torch
-
-    from ..format.checks import check_tensor
-
-    w_sf, e, h, i, t, k, global_e, emap, has_map = _check_down(inter, w2_codes, w2_scales, w2_dec, topk_ids,
-                                                               topk_weights, expert_map, check_ids)
-    if out is None:
-        out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
-    check_tensor("out", out, dtype=inter.dtype, shape=[t, h], last_dim_contiguous=True, device=inter.device)
-    tile.check_rows(tile.block_n, "down_token")
+    w_sf, e, h, i, t, k, global_e, emap, has_map, out = _check_down(
+        inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expert_map, check_ids, out, tile, "down_token")
     if t == 0:
         return out
     grid = (t, triton.cdiv(h, tile.block_n))
@@ -938,8 +937,11 @@ def down_expert_workspace(t: int, top_k: int, h: int, tile: DecodeTile, determin
     deterministic, the per-route rows ``[T * top_k, H]`` (no zeroing)."""
     import torch
 
-    numel = t * top_k * h if deterministic else t * h + t * triton.cdiv(h, tile.block_n)
-    return torch.empty(numel, dtype=torch.float32, device=device)
+    return torch.empty(_workspace_numel(t, top_k, h, tile, deterministic), dtype=torch.float32, device=device)
+
+
+def _workspace_numel(t: int, top_k: int, h: int, tile: DecodeTile, deterministic: bool) -> int:
+    return t * top_k * h if deterministic else t * h + t * triton.cdiv(h, tile.block_n)
 
 
 def moe_decode_down_expert(
@@ -956,23 +958,18 @@ def moe_decode_down_expert(
 
     from ..format.checks import check_tensor
 
-    w_sf, e, h, i, t, k, global_e, emap, has_map = _check_down(inter, w2_codes, w2_scales, w2_dec, topk_ids,
-                                                               topk_weights, expert_map, check_ids)
-    s = t * k
-    num_n = triton.cdiv(h, tile.block_n)
-    numel = s * h if deterministic else t * h + t * num_n
-    check_tensor("workspace", workspace, dtype=torch.float32, shape=[numel], device=inter.device)
-    if out is None:
-        out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
-    check_tensor("out", out, dtype=inter.dtype, shape=[t, h], last_dim_contiguous=True, device=inter.device)
-    tile.check_rows(tile.block_n, "down_expert")
+    w_sf, e, h, i, t, k, global_e, emap, has_map, out = _check_down(
+        inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expert_map, check_ids, out, tile, "down_expert")
+    check_tensor("workspace", workspace, dtype=torch.float32, shape=[_workspace_numel(t, k, h, tile, deterministic)],
+                 device=inter.device)
     if t == 0:
         return out
     ws = workspace if deterministic else workspace[: t * h]
     counts = workspace.view(torch.int32) if deterministic else workspace[t * h:].view(torch.int32)
+    s = t * k
     rows = min(s, e)
     w_desc, s_desc = _descriptors("w2", w2_codes, w_sf, 1, tile)
-    _moe_decode_down_expert_kernel[(rows, num_n)](
+    _moe_decode_down_expert_kernel[(rows, triton.cdiv(h, tile.block_n))](
         inter, w2_codes, w_sf, w_desc, s_desc, w2_dec, topk_ids, emap, topk_weights, ws, counts, out,
         s, h, i, e, global_e, k,
         inter.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0),
