@@ -774,7 +774,7 @@ def _check_routing(topk_ids, topk_weights, expert_map, num_experts: int, t: int 
 
 def _check_bank(name: str, codes, scales, dec, rows: int | None, k: int | None, device):
     """codes ``[E, rows, K/2]`` u8, scales ``[E, rows, K/16]`` e4m3 (or its bytes), dec ``[E]`` fp32, on
-    ``device``; the codes' and scales' last two dimensions contiguous per row.  Returns ``(scale bytes, E, rows, K)``."""
+    ``device``, rows contiguous.  Returns ``(scale bytes, E, rows, K)``."""
     import torch
 
     from ..format.checks import as_e4m3, check_tensor
@@ -867,11 +867,11 @@ def moe_decode_gate_up(
         check_tensor("zero", zero, dtype=torch.float32, device=x.device)
         if not zero.is_contiguous():
             raise ValueError("zero: expected a contiguous tensor (its storage is zeroed flat)")
+    tile.check_rows(2 * tile.block_n, "gate_up")
     if s == 0:
         if zero is not None:
             zero.zero_()
         return out
-    tile.check_rows(2 * tile.block_n, "gate_up")
     rows = min(s, e)  # one grid row per slot, or per local expert when that is fewer programs
     grid = (rows, triton.cdiv(i, tile.block_n))
     programs = grid[0] * grid[1]
