@@ -2,9 +2,10 @@
 
 CPU: the kernels in the interpreter (fp16: the interpreter's bf16 ``tl.dot`` is wrong) on tiny shapes with I not a
 multiple of the tile, H not a power of two, both activations, ``expert_map`` with -1, skewed routing (the chunk loop),
-every down variant, and the launchers' argument checks.  ``compile``: every candidate of the device sweep
-(benchmarks/moe_decode_sweep.py) compiled for sm_120 with the intended instructions.  ``gpu``: the real checkpoint
-shapes of moe_gpu_common on the same sources (the H200 runs the lop3/prmt decode and the scale multiply in PTX).
+every down variant, the launchers' argument checks, and the device sweep script end to end.  ``compile``: every
+candidate of the sweep (benchmarks/moe_decode_sweep.py) compiled for sm_120 with the intended instructions.
+``gpu``: the real checkpoint shapes of moe_gpu_common on the same sources (the H200 runs the PTX decode, TMA and
+programmatic dependent launch, which the interpreter cannot), CUDA-graph replay, and the PTX decode bit-exact.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from moe_gpu_common import assert_moe_close
 
 from vllm_nvfp4_sm120.format import NvFp4, moe_ref, random_nvfp4
@@ -337,6 +340,13 @@ def _gpu_problem(name, t, *, skewed=False, dtype=torch.bfloat16, with_map=False)
     return h, i, (x, w13, d13, w2, d2, tw, ti, emap)
 
 
+@functools.cache
+def _gpu_problem_and_ref(name, t, activation="silu", **kwargs):
+    """One problem and its reference per (shape, T, options): the reference is the slow part."""
+    h, i, p = _gpu_problem(name, t, **kwargs)
+    return h, i, p, _ref(p, activation)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("down", list(GPU_DOWN))
 @pytest.mark.parametrize("t", GPU_TOKENS)
@@ -345,13 +355,6 @@ def test_gpu_layer(name, t, down):
     h, i, p, ref = _gpu_problem_and_ref(name, t)
     gate, kind, det, dtile = _gpu_tiles(h, i, down=down)
     assert_moe_close(_run(p, gate, dtile, kind, det), ref)
-
-
-@functools.cache
-def _gpu_problem_and_ref(name, t, activation="silu", **kwargs):
-    """One problem and its reference per (shape, T, options): the reference is the slow part."""
-    h, i, p = _gpu_problem(name, t, **kwargs)
-    return h, i, p, _ref(p, activation)
 
 
 @pytest.mark.gpu
@@ -454,9 +457,6 @@ def test_workspace_sizes():
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: the inline-PTX decode (table + scale multiply, scale pairs) bit-exact against the pure-tl one
 # ---------------------------------------------------------------------------------------------------------------
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
 
 @triton.jit
 def _decode_probe(codes_ptr, sf_ptr, out_ptr, out32_ptr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
