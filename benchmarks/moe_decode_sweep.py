@@ -1,0 +1,334 @@
+"""Sweep of the align-free decode MoE kernels (``vllm_nvfp4_sm120.kernels.moe_decode``) on a CUDA GPU.
+
+    source .carry/env.sh && python benchmarks/moe_decode_sweep.py --out $OUT [--shapes ...] [--tokens ...]
+        [--gate-up NAME,...] [--down NAME,...] [--list]
+
+For each model shape (H, I, E, top_k) and batch size T: every candidate is first checked against
+``format.moe_ref`` once (a failing candidate is reported and never timed as best), then timed with the method of
+``vllm_nvfp4_sm120.bench``: a CUDA graph of ``C`` calls, call ``c`` on its own copy of the expert banks with its own
+random routing, so the experts one call reads are not in L2 from an earlier call (the copies total several L2
+sizes); median over replays.  The gate_up and the down candidates are timed separately (a gate_up tile and a down
+variant are independent choices), then the best pair as a whole layer, today's path
+(``dispatch.moe_flow.nvfp4_moe``, the dispatch's W4A16 plan) in the same run, and the launch cost of a graph of two
+empty Triton kernels.  Floor = codes + scales bytes of the experts each call routes to / DRAM read bandwidth
+measured in the same run (``bench.dram_read_tbs``).  Rows go to ``$OUT/moe_decode.json``; a compact table prints
+last.  Runs without vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import triton
+
+# Run as a script from anywhere: the package is the repository's.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from vllm_nvfp4_sm120.kernels.moe_decode import (  # noqa: E402
+    DecodeTile,
+    down_expert_workspace,
+    moe_decode,
+    moe_decode_down_expert,
+    moe_decode_down_token,
+    moe_decode_gate_up,
+    tma_ok,
+)
+
+SHAPES = {  # name: (H, I, E, top_k)
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "qwen3-235b-a22b": (4096, 1536, 128, 8),
+    "deepseek-v3": (7168, 2048, 256, 8),
+    "qwen3-next-80b": (2048, 512, 512, 10),
+}
+EXTRA_SHAPES = {"tiny": (256, 256, 8, 2)}  # the CPU smoke test (not in the default list)
+TOKENS = (1, 2, 4, 8, 16, 32, 64)
+
+# Candidates.  Tensor-core tiles keep M = 16 rows per warp (gate_up: 2 * block_n rows): with fewer rows per warp
+# Triton replicates the weight operand across warps.  On sm_90 a 64-row, 4-warp tile becomes a wgmma with the
+# weights as a register operand (its byte layout needs byte-wise shared-memory loads: kept as one candidate);
+# 16- and 32-row tiles are mma.sync as on sm_120.  CUDA-core tiles take one route per chunk.  "-pdl" down tiles
+# start as programmatic dependents of the gate_up kernel and prefetch their weights into L2 while it finishes.
+GATE_UP = {
+    "gu-n16k256-w2-tma": DecodeTile(16, 256, 16, num_warps=2, num_stages=4, use_dot=True, use_tma=True),
+    "gu-n16k256-w2": DecodeTile(16, 256, 16, num_warps=2, num_stages=4, use_dot=True),
+    "gu-n16k512-w2-tma": DecodeTile(16, 512, 16, num_warps=2, num_stages=3, use_dot=True, use_tma=True),
+    "gu-n8k256-w1-tma": DecodeTile(8, 256, 16, num_warps=1, num_stages=6, use_dot=True, use_tma=True),
+    "gu-n32k256-w4-tma": DecodeTile(32, 256, 16, num_warps=4, num_stages=4, use_dot=True, use_tma=True),
+    "gu-n16k256-w4-fma": DecodeTile(16, 256, 1, num_warps=4, num_stages=4, use_dot=False),
+    "gu-n16k256-w2-evict": DecodeTile(16, 256, 16, num_warps=2, num_stages=4, use_dot=True, evict_first=True),
+}
+DOWN = {  # name: (kernel, deterministic, tile)
+    "tok-n16k256-w1": ("token", False, DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True)),
+    "tok-n16k256-w1-pdl": ("token", False, DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True,
+                                                      pdl=True)),
+    "tok-n32k256-w2-tma": ("token", False, DecodeTile(32, 256, 16, num_warps=2, num_stages=4, use_dot=True,
+                                                      use_tma=True)),
+    "tok-n16k256-w4-fma": ("token", False, DecodeTile(16, 256, 1, num_warps=4, num_stages=4, use_dot=False)),
+    "exp-n16k256-w1-tma": ("expert", False, DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True,
+                                                       use_tma=True)),
+    "exp-n16k256-w1-tma-pdl": ("expert", False, DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True,
+                                                           use_tma=True, pdl=True)),
+    "exp-n32k256-w2-tma": ("expert", False, DecodeTile(32, 256, 16, num_warps=2, num_stages=4, use_dot=True,
+                                                       use_tma=True)),
+    "exp-n32k256-w2": ("expert", False, DecodeTile(32, 256, 16, num_warps=2, num_stages=4, use_dot=True)),
+    "exp-n32k256-w2-tma-det": ("expert", True, DecodeTile(32, 256, 16, num_warps=2, num_stages=4, use_dot=True,
+                                                          use_tma=True)),
+}
+# What a run sweeps without --gate-up / --down (about ten kernel tiles: each compiles once per routing bucket, and
+# the compiles are most of the ~4 minutes); the others are there for a focused second run.
+DEFAULT_GATE_UP = ("gu-n16k256-w2-tma", "gu-n16k512-w2-tma", "gu-n8k256-w1-tma", "gu-n32k256-w4-tma",
+                   "gu-n16k256-w4-fma")
+DEFAULT_DOWN = ("tok-n16k256-w1", "tok-n16k256-w1-pdl", "exp-n16k256-w1-tma", "exp-n16k256-w1-tma-pdl",
+                "exp-n32k256-w2-tma", "exp-n32k256-w2-tma-det")
+# The pair every gate_up candidate is checked with, and every down candidate with.
+CHECK_GATE_UP = "gu-n16k256-w2-tma"
+CHECK_DOWN = "tok-n16k256-w1"
+
+
+def candidate_ok(tile: DecodeTile, k: int) -> bool:
+    """Whether a candidate can run on a bank with reduction size ``k`` (TMA needs K % 256 == 0)."""
+    return not tile.use_tma or tma_ok(k)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _empty_kernel(x_ptr):
+    pass
+
+
+def _bank(e: int, rows: int, k: int, gen: torch.Generator, device):
+    """Random codes (all bytes), e4m3 scales 2^u (1 + m/8) with u in [-3, 1], decode globals ~ 0.005."""
+    codes = torch.randint(0, 256, (e, rows, k // 2), dtype=torch.uint8, device=device, generator=gen)
+    exp = torch.randint(-3, 2, (e, rows, k // 16), device=device, generator=gen).float()
+    mant = torch.randint(0, 8, (e, rows, k // 16), device=device, generator=gen).float()
+    scales = (torch.exp2(exp) * (1 + mant / 8)).to(torch.float8_e4m3fn)
+    dec = 0.004 + 0.002 * torch.rand(e, device=device, generator=gen)
+    return codes, scales, dec
+
+
+def _routing(t: int, e: int, k: int, gen: torch.Generator, device):
+    logits = torch.randn(t, e, device=device, generator=gen)
+    w, ids = torch.softmax(logits, -1).topk(k, dim=-1)
+    return (w / w.sum(-1, keepdim=True)).float().contiguous(), ids.to(torch.int32).contiguous()
+
+
+def _close(out, ref) -> tuple[bool, float]:
+    """Same tolerance as the GPU tests (fp32 summation order and the rounding of the 16-bit intermediate)."""
+    scale = float(ref.float().abs().max()) if ref.numel() else 0.0
+    err = float((out.float() - ref.float()).abs().max()) if ref.numel() else 0.0
+    ok = torch.allclose(out.float(), ref.float(), atol=2.0**-8 * scale, rtol=2.0**-7)
+    return ok, err / scale if scale else err
+
+
+class _Clock:
+    """The bench method on a GPU (CUDA graph of the calls, median of replays, DRAM read ceiling in the same run);
+    on the CPU (the interpreter smoke test) wall time and no ceiling."""
+
+    def __init__(self, device, repeats: int):
+        self.cuda = device.type == "cuda"
+        self.repeats = repeats
+        if self.cuda:
+            from vllm_nvfp4_sm120.bench import dram_read_tbs, time_graph
+
+            self._time_graph = time_graph
+            self.read_tbs = dram_read_tbs()
+        else:
+            self.read_tbs = float("nan")
+
+    def seconds(self, fn) -> float:
+        if self.cuda:
+            return self._time_graph(fn, self.repeats)
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    def empty_launch_us(self) -> dict:
+        if not self.cuda:
+            return {}
+        buf = torch.empty(1, device="cuda")
+        pair = lambda: (_empty_kernel[(1,)](buf), _empty_kernel[(1,)](buf))  # noqa: E731
+        one = self.seconds(pair)
+        many = self.seconds(lambda: [pair() for _ in range(50)]) / 50
+        return {"graph_of_two_empty_kernels_us": one * 1e6, "two_empty_kernels_in_a_long_graph_us": many * 1e6}
+
+
+def _today():
+    try:
+        from vllm_nvfp4_sm120.dispatch.moe_flow import nvfp4_moe
+    except ImportError as exc:  # the dispatch layer is being restructured: the sweep still runs without it
+        print(f"# today's path unavailable: {exc}", flush=True)
+        return None
+    return nvfp4_moe
+
+
+def sweep(args) -> dict:
+    from vllm_nvfp4_sm120.format import NvFp4, moe_ref
+
+    device = torch.device(args.device)
+    t_start = time.time()
+    clock = _Clock(device, args.repeats)
+    bw = clock.read_tbs
+    empty = clock.empty_launch_us()
+    nvfp4_moe = None if args.no_baseline else _today()
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
+    print(f"# {name}  torch {torch.__version__}  DRAM read {bw:.2f} TB/s  empty launches {empty}", flush=True)
+    gate_names = args.gate_up.split(",") if args.gate_up else list(DEFAULT_GATE_UP)
+    down_names = args.down.split(",") if args.down else list(DEFAULT_DOWN)
+    if args.gate_up == "all":
+        gate_names = list(GATE_UP)
+    if args.down == "all":
+        down_names = list(DOWN)
+    rows = []
+    for shape in args.shapes.split(","):
+        h, i, e, k = (SHAPES | EXTRA_SHAPES)[shape]
+        expert_bytes = 2 * i * h * 9 // 16 + h * i * 9 // 16  # codes (1/2 byte) + scales (1/16 byte) per weight
+        copies = max(2, min(16, math.ceil(args.min_bytes / (k * expert_bytes))))
+        gen = torch.Generator(device=device).manual_seed(0)
+        banks = [(_bank(e, 2 * i, h, gen, device), _bank(e, h, i, gen, device)) for _ in range(copies)]
+        print(f"# {shape}: H={h} I={i} E={e} top_k={k}, {copies} bank copies "
+              f"({copies * e * expert_bytes / 1e9:.1f} GB)", flush=True)
+        gates = {n: GATE_UP[n] for n in gate_names if candidate_ok(GATE_UP[n], h)}
+        downs = {n: DOWN[n] for n in down_names if candidate_ok(DOWN[n][2], i)}
+        for t in [int(v) for v in args.tokens.split(",")]:
+            rows.append(_point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_ref, NvFp4,
+                               nvfp4_moe))
+            print(_fmt(rows[-1]), flush=True)
+        del banks
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"device": name, "torch": torch.__version__, "dram_read_tbs": bw, "empty_launch": empty,
+            "seconds": time.time() - t_start, "rows": rows}
+
+
+def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_ref, NvFp4, nvfp4_moe) -> dict:
+    """One (shape, T): check every candidate, time gate_up and down candidates alone, the best pair, today's path."""
+    copies = len(banks)
+    routes = [_routing(t, e, k, gen, device) for _ in range(copies)]
+    x = torch.randn(t, h, device=device, generator=gen).to(torch.bfloat16 if device.type == "cuda" else torch.float16)
+    touched = [int(torch.unique(ti).numel()) for _, ti in routes]
+    expert_bytes = 2 * i * h * 9 // 16 + h * i * 9 // 16
+    floor_us = sum(touched) / copies * expert_bytes / (clock.read_tbs * 1e12) * 1e6
+    (c13, s13, d13), (c2, s2, d2) = banks[0]
+    ref = moe_ref(x, NvFp4(c13, s13), d13, NvFp4(c2, s2), d2, *routes[0])
+    row = {"shape": shape, "H": h, "I": i, "E": e, "top_k": k, "T": t, "experts_touched": sum(touched) / copies,
+           "floor_us": floor_us, "dram_read_tbs": clock.read_tbs, "copies": copies, "gate_up_us": {}, "down_us": {},
+           "errors": {}, "failed": []}
+
+    def layer(gname, dname, c, out=None):
+        (c13, s13, d13), (c2, s2, d2) = banks[c]
+        kind, det, dtile = downs[dname]
+        tw, ti = routes[c]
+        return moe_decode(x, c13, s13, d13, c2, s2, d2, tw, ti, gate_up_tile=gates[gname], down_tile=dtile,
+                          down=kind, deterministic=det, out=out)
+
+    def check(name, gname, dname) -> bool:
+        ok, err = _close(layer(gname, dname, 0), ref)
+        row["errors"][name] = err
+        if not ok:
+            row["failed"].append(name)
+            print(f"  FAIL {shape} T={t} {name}: max error {err:.3g} of max |ref|", flush=True)
+        return ok
+
+    check_g = CHECK_GATE_UP if CHECK_GATE_UP in gates else next(iter(gates))
+    check_d = CHECK_DOWN if CHECK_DOWN in downs else next(iter(downs))
+    for gname, tile in gates.items():  # gate_up alone
+        if check(gname, gname, check_d):
+            def gate_calls(tile=tile):
+                for c in range(copies):
+                    (c13, s13, d13), _ = banks[c]
+                    moe_decode_gate_up(x, c13, s13, d13, routes[c][1], tile=tile)
+
+            row["gate_up_us"][gname] = clock.seconds(gate_calls) / copies * 1e6
+    inters = [moe_decode_gate_up(x, *banks[c][0], routes[c][1], tile=gates[check_g]) for c in range(copies)]
+    for dname, (kind, det, dtile) in downs.items():  # down alone
+        if not check(dname, check_g, dname):
+            continue
+        out = torch.empty_like(x)
+        # Atomic mode alone: the workspace is not re-zeroed between replays (in the layer the gate_up kernel does
+        # it), so the tile counts overshoot and the final casts are skipped: a few KB less traffic.
+        wss = [down_expert_workspace(t, k, h, dtile, det, device).zero_() for _ in range(copies)]
+
+        def down_calls(kind=kind, det=det, dtile=dtile, wss=wss, out=out):
+            for c in range(copies):
+                _, (c2, s2, d2) = banks[c]
+                tw, ti = routes[c]
+                if kind == "token":
+                    moe_decode_down_token(inters[c], c2, s2, d2, ti, tw, tile=dtile, out=out)
+                else:
+                    moe_decode_down_expert(inters[c], c2, s2, d2, ti, tw, wss[c], tile=dtile, deterministic=det,
+                                           out=out)
+
+        row["down_us"][dname] = clock.seconds(down_calls) / copies * 1e6
+    out = torch.empty_like(x)
+    if row["gate_up_us"] and row["down_us"]:
+        best_g = min(row["gate_up_us"], key=row["gate_up_us"].get)
+        best_d = min(row["down_us"], key=row["down_us"].get)
+        row["best"] = f"{best_g} + {best_d}"
+        row["best_us"] = clock.seconds(lambda: [layer(best_g, best_d, c, out) for c in range(copies)]) / copies * 1e6
+        row["fraction_of_floor"] = floor_us / row["best_us"]
+        reproducible = [n for n in row["down_us"] if downs[n][0] == "token" or downs[n][1]]
+        if reproducible:  # the best bit-reproducible layer (token-major or deterministic expert-major down)
+            det_d = min(reproducible, key=row["down_us"].get)
+            row["best_deterministic"] = f"{best_g} + {det_d}"
+            row["best_deterministic_us"] = clock.seconds(
+                lambda: [layer(best_g, det_d, c, out) for c in range(copies)]) / copies * 1e6
+    if nvfp4_moe is not None:
+        def today():
+            for c in range(copies):
+                (c13, s13, d13), (c2, s2, d2) = banks[c]
+                nvfp4_moe(x, c13, s13, d13, c2, s2, d2, *routes[c], out=out)
+
+        row["today_us"] = clock.seconds(today) / copies * 1e6
+        if "best_us" in row:
+            row["speedup_vs_today"] = row["today_us"] / row["best_us"]
+    return row
+
+
+def _fmt(r: dict) -> str:
+    best = f"{r['best_us']:8.1f}" if "best_us" in r else "     n/a"
+    frac = f"{r['fraction_of_floor']:5.2f}" if "fraction_of_floor" in r else "  n/a"
+    today = f"{r['today_us']:8.1f}" if "today_us" in r else "     n/a"
+    speed = f"{r['speedup_vs_today']:5.2f}x" if "speedup_vs_today" in r else "   n/a"
+    det = f"{r['best_deterministic_us']:8.1f}" if "best_deterministic_us" in r else "     n/a"
+    return (f"{r['shape']:16} T={r['T']:3} experts {r['experts_touched']:6.1f} floor {r['floor_us']:7.1f} us | "
+            f"best {best} us ({frac} of floor) det {det} | today {today} us {speed} | {r.get('best', '-')}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for moe_decode.json")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--gate-up", default="", help=f"'all' or names of {list(GATE_UP)} (default {DEFAULT_GATE_UP})")
+    p.add_argument("--down", default="", help=f"'all' or names of {list(DOWN)} (default {DEFAULT_DOWN})")
+    p.add_argument("--min-bytes", type=float, default=4e8, help="bytes the bank copies of one graph must touch")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--no-baseline", action="store_true", help="skip today's path")
+    p.add_argument("--list", action="store_true", help="print the candidates and exit")
+    p.add_argument("--device", default="cuda", help="cuda; cpu runs the interpreter (a smoke test, no timing)")
+    args = p.parse_args(argv)
+    if args.list:
+        for n, tile in GATE_UP.items():
+            print("gate_up", n, tile)
+        for n, (kind, det, tile) in DOWN.items():
+            print("down", n, kind, "deterministic" if det else "", tile)
+        return
+    result = sweep(args)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "moe_decode.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\n# {len(result['rows'])} rows in {result['seconds']:.0f} s -> {path}; DRAM read "
+          f"{result['dram_read_tbs']:.2f} TB/s; empty launches {result['empty_launch']}")
+    for r in result["rows"]:
+        print(_fmt(r))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,521 @@
+"""Align-free decode MoE kernels (kernels/moe_decode.py) against format.moe_ref (weight-only form).
+
+CPU: the kernels in the interpreter (fp16: the interpreter's bf16 ``tl.dot`` is wrong) on tiny shapes with I not a
+multiple of the tile, H not a power of two, both activations, ``expert_map`` with -1, skewed routing (the chunk loop),
+every down variant, the launchers' argument checks, and the device sweep script end to end.  ``compile``: every
+candidate of the sweep (benchmarks/moe_decode_sweep.py) compiled for sm_120 with the intended instructions.
+``gpu``: the real checkpoint shapes of moe_gpu_common on the same sources (the H200 runs the PTX decode, TMA and
+programmatic dependent launch, which the interpreter cannot), CUDA-graph replay, and the PTX decode bit-exact.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from moe_gpu_common import assert_moe_close
+
+from vllm_nvfp4_sm120.format import NvFp4, moe_ref, random_nvfp4
+from vllm_nvfp4_sm120.kernels import moe_decode as md
+from vllm_nvfp4_sm120.kernels.aot import PTX_TMA_LOAD, compile_kernel
+from vllm_nvfp4_sm120.kernels.moe_decode import (
+    DecodeTile,
+    down_expert_workspace,
+    moe_decode,
+    moe_decode_down_expert,
+    moe_decode_down_token,
+    moe_decode_gate_up,
+)
+
+
+def _load_sweep():
+    """benchmarks/moe_decode_sweep.py (a script, not a package): its candidate tiles are what the compile and GPU
+    tests cover."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_decode_sweep.py"
+    spec = importlib.util.spec_from_file_location("moe_decode_sweep", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SWEEP = _load_sweep()
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Interpreter tiles: the smallest the kernels allow, so K and N tails and several K steps happen on tiny shapes.
+DOT = DecodeTile(16, 32, 16, num_warps=4, num_stages=2, use_dot=True)
+DOT_GATE = DecodeTile(8, 32, 16, num_warps=4, num_stages=2, use_dot=True)  # 16 stacked rows
+FMA1 = DecodeTile(16, 32, 1, num_warps=4, num_stages=2, use_dot=False)
+FMA2 = DecodeTile(16, 64, 2, num_warps=4, num_stages=2, use_dot=False)
+DOT_TMA = DecodeTile(16, 256, 16, num_warps=4, num_stages=2, use_dot=True, use_tma=True)
+
+
+def _problem(t, e, k, h, i, *, dtype=torch.float16, skewed=False, with_map=False, ids_dtype=torch.int32, seed=0):
+    """Random banks (all code bytes, e4m3 scales over a range), x, softmax top-k routing; with a map, twice the
+    experts globally and this rank holding every other one."""
+    gen = torch.Generator().manual_seed(seed)
+    w13 = random_nvfp4((e, 2 * i, h), gen=gen)
+    w2 = random_nvfp4((e, h, i), gen=gen)
+    d13 = 0.01 + 0.01 * torch.rand(e, generator=gen)
+    d2 = 0.01 + 0.01 * torch.rand(e, generator=gen)
+    x = (torch.randn(t, h, generator=gen) * 2).to(dtype)
+    global_e = 2 * e if with_map else e
+    logits = torch.randn(t, global_e, generator=gen)
+    if skewed:
+        logits[:, :k] += 100.0
+    tw, ti = torch.softmax(logits, -1).topk(k, dim=-1)
+    tw = (tw / tw.sum(-1, keepdim=True)).contiguous()
+    ti = ti.to(ids_dtype).contiguous()
+    emap = None
+    if with_map:
+        emap = torch.full((global_e,), -1, dtype=torch.int32)
+        emap[1::2] = torch.arange(e, dtype=torch.int32)
+    dev = lambda v: v.to(DEVICE) if v is not None else None  # noqa: E731
+    return (dev(x), NvFp4(dev(w13.codes), dev(w13.scales)), dev(d13), NvFp4(dev(w2.codes), dev(w2.scales)), dev(d2),
+            dev(tw), dev(ti), dev(emap))
+
+
+def _run(p, gate_tile, down_tile, down, deterministic=False, activation="silu"):
+    x, w13, d13, w2, d2, tw, ti, emap = p
+    return moe_decode(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, gate_up_tile=gate_tile,
+                      down_tile=down_tile, down=down, expert_map=emap, activation=activation,
+                      deterministic=deterministic)
+
+
+def _ref(p, activation="silu"):
+    x, w13, d13, w2, d2, tw, ti, emap = p
+    return moe_ref(x, w13, d13, w2, d2, tw, ti, activation=activation, expert_map=emap)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU interpreter (or the GPU when present)
+# ---------------------------------------------------------------------------------------------------------------
+# (T, E, top_k, H, I, activation, gate tile, down kernel, deterministic, down tile, options)
+CASES = [
+    (0, 8, 2, 80, 96, "silu", DOT, "token", False, DOT, {}),
+    (1, 8, 1, 80, 96, "silu", DOT_GATE, "expert", False, DOT, {}),
+    (1, 60, 4, 112, 176, "gelu_tanh", FMA1, "token", False, FMA1, {}),
+    (2, 8, 2, 112, 176, "silu", DOT, "expert", True, DOT, {"ids_dtype": torch.int64}),
+    (3, 60, 2, 80, 96, "gelu_tanh", DOT, "token", False, DOT, {"with_map": True}),
+    (3, 8, 4, 80, 96, "silu", FMA2, "expert", True, FMA2, {}),
+    (5, 8, 2, 112, 96, "silu", DOT, "expert", False, DOT, {"with_map": True}),  # 10 slots > 8 experts: by expert
+    (5, 60, 4, 80, 176, "silu", FMA1, "token", False, FMA1, {"skewed": True}),
+    (16, 8, 4, 80, 96, "gelu_tanh", DOT, "token", False, DOT, {"skewed": True}),
+    (16, 60, 2, 80, 96, "silu", FMA2, "expert", True, FMA2, {"skewed": True}),  # 16 routes per expert: 8 chunks
+    (20, 8, 1, 80, 96, "silu", DOT, "expert", False, DOT, {"skewed": True}),  # 20 routes > BLOCK_T: 2 chunks
+    (3, 8, 2, 256, 256, "silu", DOT_TMA, "token", False, DOT_TMA, {}),
+    (3, 8, 2, 256, 256, "gelu_tanh", DOT_TMA, "expert", True, DOT_TMA, {"with_map": True}),
+]
+
+
+def _case_id(c):
+    t, e, k, h, i, act, gt, down, det, dt, opts = c
+    kind = ("tma" if gt.use_tma else "dot" if gt.use_dot else f"fma{gt.block_t}")
+    extra = "-".join(f"{n}" for n, v in opts.items() if v is True) + ("-i64" if "ids_dtype" in opts else "")
+    return f"T{t}-E{e}-k{k}-H{h}-I{i}-{act}-{kind}-{down}{'-det' if det else ''}{'-' + extra if extra else ''}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_layer_matches_reference(case):
+    t, e, k, h, i, act, gate_tile, down, det, down_tile, opts = case
+    p = _problem(t, e, k, h, i, **opts)
+    out = _run(p, gate_tile, down_tile, down, det, act)
+    assert out.shape == (t, h) and out.dtype == p[0].dtype
+    assert_moe_close(out, _ref(p, act))
+
+
+@pytest.mark.parametrize("down,tile", [("token", DOT), ("expert", DOT), ("token", FMA1)], ids=["token", "expert",
+                                                                                          "token-fma"])
+def test_deterministic_twice_identical(down, tile):
+    # Token-major always, expert-major in deterministic mode: the same bits on every run.
+    p = _problem(5, 8, 4, 80, 96, with_map=True)
+    a = _run(p, DOT, tile, down, deterministic=True)
+    b = _run(p, DOT, tile, down, deterministic=True)
+    assert torch.equal(a, b)
+    assert_moe_close(a, _ref(p))
+
+
+def test_gate_up_intermediate_and_zeroing():
+    # The intermediate rows of routed slots equal the reference's rounded act(gate) * up; the zero argument is
+    # cleared by the kernel's programs (a slice each).
+    from vllm_nvfp4_sm120.format import unit_values
+    from vllm_nvfp4_sm120.format.reference import gated_activation
+
+    x, w13, d13, w2, d2, tw, ti, emap = _problem(3, 8, 2, 80, 96)
+    zero = torch.full((3, 80), 7.0, device=DEVICE)
+    inter = moe_decode_gate_up(x, w13.codes, w13.scales, d13, ti, tile=DOT, zero=zero)
+    assert torch.equal(zero, torch.zeros_like(zero))
+    for r, ex in enumerate(ti.reshape(-1).tolist()):
+        h = (x[r // 2].float() @ unit_values(w13.codes[ex], w13.scales[ex]).t()) * d13[ex]
+        torch.testing.assert_close(inter[r], gated_activation(h, "silu").to(x.dtype), atol=1e-3, rtol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Argument checks (no kernel runs)
+# ---------------------------------------------------------------------------------------------------------------
+def _bad_input_cases():
+    x, w13, d13, w2, d2, tw, ti, _ = _problem(2, 8, 2, 80, 96)
+    gate = functools.partial(moe_decode_gate_up, tile=DOT)
+    tok = functools.partial(moe_decode_down_token, tile=DOT)
+    inter = torch.zeros(4, 96, dtype=x.dtype, device=x.device)
+    return [
+        ("x", lambda: gate(x.float(), w13.codes, w13.scales, d13, ti)),
+        ("w13_codes", lambda: gate(x, w13.codes[:, :, :8], w13.scales, d13, ti)),
+        ("w13_scales", lambda: gate(x, w13.codes, w13.scales[:, :-1], d13, ti)),
+        ("w13_scales", lambda: gate(x, w13.codes, w13.scales.float(), d13, ti)),
+        ("w13_dec", lambda: gate(x, w13.codes, w13.scales, d13[:-1], ti)),
+        ("topk_ids", lambda: gate(x, w13.codes, w13.scales, d13, ti.float())),
+        ("topk_ids", lambda: gate(x, w13.codes, w13.scales, d13, ti[:1])),
+        ("topk_ids", lambda: gate(x, w13.codes, w13.scales, d13, ti.t())),
+        ("topk_ids", lambda: gate(x, w13.codes, w13.scales, d13, ti + 8, check_ids=True)),  # out of range
+        ("expert_map", lambda: gate(x, w13.codes, w13.scales, d13, ti, expert_map=torch.zeros(8))),
+        ("activation", lambda: gate(x, w13.codes, w13.scales, d13, ti, activation="relu")),
+        ("out", lambda: gate(x, w13.codes, w13.scales, d13, ti, out=inter[:3])),
+        ("tile", lambda: moe_decode_gate_up(x, w13.codes, w13.scales, d13, ti,
+                                            tile=DecodeTile(4, 32, 16, 4, 2, use_dot=True))),
+        ("inter", lambda: tok(inter[:3], w2.codes, w2.scales, d2, ti, tw)),
+        ("w2_codes", lambda: tok(inter, w2.codes[:, :, :40], w2.scales, d2, ti, tw)),
+        ("w2_scales", lambda: tok(inter, w2.codes, w2.scales[:1], d2, ti, tw)),
+        ("topk_weights", lambda: tok(inter, w2.codes, w2.scales, d2, ti, tw.half())),
+        ("topk_weights", lambda: tok(inter, w2.codes, w2.scales, d2, ti, tw[:, :1])),
+        ("workspace", lambda: moe_decode_down_expert(inter, w2.codes, w2.scales, d2, ti, tw,
+                                                     torch.zeros(2 * 80, device=x.device), tile=DOT)),
+        ("workspace", lambda: moe_decode_down_expert(inter, w2.codes, w2.scales, d2, ti, tw,
+                                                     torch.zeros(2 * 80 + 2 * 5, device=x.device), tile=DOT,
+                                                     deterministic=True)),
+        ("down", lambda: moe_decode(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti,
+                                    gate_up_tile=DOT, down_tile=DOT, down="sum")),
+        ("w13_codes", lambda: gate(x, w13.codes, w13.scales, d13, ti, tile=DOT_TMA)),  # TMA needs K % 256 == 0
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_input_cases())))
+def test_bad_input_names_the_tensor(case):
+    name, call = _bad_input_cases()[case]
+    with pytest.raises((ValueError, TypeError), match=name):
+        call()
+
+
+def test_too_many_routes():
+    x, w13, d13, *_ = _problem(1, 8, 2, 80, 96)
+    ids = torch.zeros(md.MAX_ROUTES // 2 + 1, 2, dtype=torch.int32, device=DEVICE)
+    ids[:, 1] = 1
+    xs = torch.zeros(ids.shape[0], 80, dtype=x.dtype, device=DEVICE)
+    with pytest.raises(ValueError, match="topk_ids"):
+        moe_decode_gate_up(xs, w13.codes, w13.scales, d13, ids, tile=DOT)
+
+
+@pytest.mark.parametrize("kwargs", [dict(block_n=24), dict(block_k=16), dict(block_t=8), dict(num_stages=0),
+                                    dict(use_tma=True)], ids=lambda d: next(iter(d)))
+def test_tile_validation(kwargs):
+    base = dict(block_n=16, block_k=128, block_t=16, num_warps=2, num_stages=3, use_dot=True)
+    with pytest.raises(ValueError, match="DecodeTile"):
+        DecodeTile(**(base | kwargs))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sm_120 compiles: every candidate tile of the sweep, the other switches on one tile
+# ---------------------------------------------------------------------------------------------------------------
+KERNELS = {  # name: (kernel, signature, divisible, weight box parts)
+    "gate_up": ("_moe_decode_gate_up_kernel", md.MOE_DECODE_GATE_UP_SIGNATURE, md.MOE_DECODE_GATE_UP_DIVISIBLE, 2),
+    "token": ("_moe_decode_down_token_kernel", md.MOE_DECODE_DOWN_TOKEN_SIGNATURE, md.MOE_DECODE_DOWN_TOKEN_DIVISIBLE,
+              1),
+    "expert": ("_moe_decode_down_expert_kernel", md.MOE_DECODE_DOWN_EXPERT_SIGNATURE,
+               md.MOE_DECODE_DOWN_EXPERT_DIVISIBLE, 1),
+}
+ROUTING_CONSTS = {
+    "gate_up": dict(ACTIVATION="silu", HAS_MAP=True, BY_EXPERT=False, ZERO=False, S_BLOCK=64, GDC=True),
+    "token": dict(HAS_MAP=True, TOPK_BLOCK=8),
+    "expert": dict(HAS_MAP=True, BY_EXPERT=False, DETERMINISTIC=False, S_BLOCK=64, TOPK_BLOCK=8),
+}
+SASS_PRMT = r"\bPRMT\b"
+SASS_HMMA = r"\bHMMA\.16816\.F32\b"  # .BF16 for bf16, no suffix for fp16
+SASS_FFMA = r"\bFFMA\b"
+SASS_MUL_PAIRS = r"\bHMUL2\b|\bHFMA2\b"  # the block-scale multiply on packed pairs
+SASS_CP_ASYNC_16B = r"LDGSTS\.E\.BYPASS\.128"
+
+
+@functools.cache
+def _compile(kind, tile: DecodeTile, extra: tuple = (), dtype: str = "bf16"):
+    name, sig, div, parts = KERNELS[kind]
+    if tile.use_tma:
+        sig, div = md.tma_signature(sig, div, parts, tile.block_n, tile.block_k)
+    if dtype != "bf16":
+        sig = {k: v.replace("bf16", dtype) for k, v in sig.items()}
+    consts = ROUTING_CONSTS[kind] | dict(FAST_DECODE=True, EVEN_K=True) | tile.kernel_kwargs() | dict(extra)
+    if kind != "gate_up":
+        consts["PDL"] = tile.pdl
+    return compile_kernel(f"vllm_nvfp4_sm120.kernels.moe_decode:{name}", sig, consts, divisible=div,
+                          num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
+def _compile_jobs():
+    jobs = [("gate_up", n, t) for n, t in SWEEP.GATE_UP.items()]
+    jobs += [(kind, n, t) for n, (kind, _, t) in SWEEP.DOWN.items()]
+    return jobs
+
+
+def _check_sass(rep, tile: DecodeTile):
+    rep.require_sass(SASS_PRMT).require_sass(SASS_MUL_PAIRS).require_no_local().require_smem()
+    rep.require_sass(SASS_HMMA if tile.use_dot else SASS_FFMA)
+    if tile.use_tma:
+        rep.require_ptx(PTX_TMA_LOAD)
+    if tile.pdl:  # the weight rows prefetched to L2, then the wait for the gate_up kernel
+        rep.require_ptx(r"prefetch\.global\.L2").require_ptx(r"griddepcontrol\.wait")
+    if tile.use_dot:  # the pipelined loads are 16-byte asynchronous copies (the activations at least)
+        rep.require_sass(SASS_CP_ASYNC_16B)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("job", _compile_jobs(), ids=lambda j: f"{j[0]}-{j[1]}")
+def test_sweep_candidates_compile_for_sm120(job):
+    kind, _, tile = job
+    _check_sass(_compile(kind, tile), tile)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kind,extra,dtype", [
+    ("gate_up", (("ACTIVATION", "gelu_tanh"), ("BY_EXPERT", True), ("ZERO", True), ("S_BLOCK", 1024)), "bf16"),
+    ("gate_up", (("HAS_MAP", False), ("EVEN_K", False)), "fp16"),
+    ("expert", (("DETERMINISTIC", True), ("BY_EXPERT", True), ("S_BLOCK", 1024)), "fp16"),
+    ("expert", (("HAS_MAP", False), ("EVEN_K", False)), "bf16"),
+    ("token", (("HAS_MAP", False), ("EVEN_K", False)), "fp16"),
+], ids=["gate_up-gelu-by-expert-zero", "gate_up-fp16-tail", "expert-det-fp16", "expert-atomic-tail",
+        "token-fp16-tail"])
+def test_switches_compile_for_sm120(kind, extra, dtype):
+    tile = DecodeTile(16, 256, 16, num_warps=2, num_stages=4, use_dot=True)
+    rep = _compile(kind, tile, extra, dtype)
+    _check_sass(rep, tile)
+    if kind == "gate_up":  # lets a programmatically dependent down kernel start its prologue
+        rep.require_ptx(r"griddepcontrol\.launch_dependents")
+    if kind == "expert" and not dict(extra).get("DETERMINISTIC"):
+        # Vector fp32 atomics, the acq_rel tile count, and the completed tile read from L2.
+        rep.require_ptx(r"atom\.global\.gpu\.relaxed\.add\.v4\.f32").require_ptx(r"atom\.global\.gpu\.acq_rel\.add")
+        rep.require_ptx(r"ld\.global\.cg")
+
+
+@pytest.mark.compile
+def test_sum_kernel_compiles_for_sm120():
+    for has_map in (False, True):
+        rep = compile_kernel("vllm_nvfp4_sm120.kernels.moe_decode:_moe_decode_sum_kernel", md.MOE_DECODE_SUM_SIGNATURE,
+                             dict(HAS_MAP=has_map, BLOCK_H=1024), divisible=md.MOE_DECODE_SUM_DIVISIBLE)
+        rep.require_no_local().require_smem()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: real checkpoint shapes
+# ---------------------------------------------------------------------------------------------------------------
+GPU_TOKENS = [1, 2, 3, 5, 16, 64]
+# Down variants of the GPU tests: (kernel, deterministic), each with its sweep candidate tile.
+GPU_DOWN = {"token": ("tok-n16k256-w1", False), "expert": ("exp-n32k256-w2", False),
+            "expert-det": ("exp-n32k256-w2-tma-det", True), "token-pdl": ("tok-n16k256-w1-pdl", False),
+            "expert-pdl": ("exp-n16k256-w1-tma-pdl", False)}
+
+
+def _gpu_tiles(h, i, gate_name="gu-n16k256-w2-tma", down="token"):
+    gate = SWEEP.GATE_UP[gate_name]
+    if gate.use_tma and not md.tma_ok(h):
+        gate = SWEEP.GATE_UP["gu-n16k256-w2"]
+    kind, det, dtile = SWEEP.DOWN[GPU_DOWN[down][0]]
+    if dtile.use_tma and not md.tma_ok(i):
+        dtile = replace(dtile, use_tma=False)
+    return gate, kind, det, dtile
+
+
+def _gpu_problem(name, t, *, skewed=False, dtype=torch.bfloat16, with_map=False):
+    from moe_gpu_common import layer, routing
+
+    h, i, e, k, w13, d13, w2, d2 = layer(name)
+    x = torch.randn(t, h, device="cuda", dtype=dtype)
+    tw, ti = routing(t, 2 * e if with_map else e, k, skewed)
+    emap = None
+    if with_map:
+        emap = torch.full((2 * e,), -1, dtype=torch.int32, device="cuda")
+        emap[1::2] = torch.arange(e, dtype=torch.int32, device="cuda")
+    return h, i, (x, w13, d13, w2, d2, tw, ti, emap)
+
+
+@functools.cache
+def _gpu_problem_and_ref(name, t, activation="silu", **kwargs):
+    """One problem and its reference per (shape, T, options): the reference is the slow part."""
+    h, i, p = _gpu_problem(name, t, **kwargs)
+    return h, i, p, _ref(p, activation)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("down", list(GPU_DOWN))
+@pytest.mark.parametrize("t", GPU_TOKENS)
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "qwen3-next-80b", "odd"])
+def test_gpu_layer(name, t, down):
+    h, i, p, ref = _gpu_problem_and_ref(name, t)
+    gate, kind, det, dtile = _gpu_tiles(h, i, down=down)
+    assert_moe_close(_run(p, gate, dtile, kind, det), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_name", list(SWEEP.GATE_UP))
+@pytest.mark.parametrize("down_name", list(SWEEP.DOWN))
+@pytest.mark.parametrize("name,t", [("qwen3-30b-a3b", 4), ("qwen3-next-80b", 64)])
+def test_gpu_every_sweep_candidate(name, t, gate_name, down_name):
+    _, _, p, ref = _gpu_problem_and_ref(name, t)
+    gate = SWEEP.GATE_UP[gate_name]
+    kind, det, dtile = SWEEP.DOWN[down_name]
+    assert_moe_close(_run(p, gate, dtile, kind, det), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("down", list(GPU_DOWN))
+@pytest.mark.parametrize("t", [1, 5, 64])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3", "odd"])
+def test_gpu_fp16_gelu_map_skewed(name, t, down):
+    h, i, p, ref = _gpu_problem_and_ref(name, t, "gelu_tanh", skewed=True, dtype=torch.float16, with_map=True)
+    gate, kind, det, dtile = _gpu_tiles(h, i, down=down)
+    assert_moe_close(_run(p, gate, dtile, kind, det, "gelu_tanh"), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("down", ["token", "expert-det", "token-pdl"])
+def test_gpu_deterministic_and_graph_replay(down):
+    h, i, p = _gpu_problem("qwen3-30b-a3b", 16, with_map=True)
+    gate, kind, det, dtile = _gpu_tiles(h, i, down=down)
+    eager = _run(p, gate, dtile, kind, det)
+    assert torch.equal(eager, _run(p, gate, dtile, kind, det))
+    x, w13, d13, w2, d2, tw, ti, emap = p
+    out = torch.empty_like(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _run(p, gate, dtile, kind, det)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe_decode(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, gate_up_tile=gate, down_tile=dtile,
+                   down=kind, expert_map=emap, deterministic=det, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("down", ["expert", "expert-pdl"])
+def test_gpu_atomic_graph_replay_close(down):
+    # fp32 atomics: replays may differ in the last bits, never beyond the summation-order tolerance.
+    h, i, p = _gpu_problem("deepseek-v3", 5)
+    gate, kind, det, dtile = _gpu_tiles(h, i, down=down)
+    x, w13, d13, w2, d2, tw, ti, emap = p
+    out = torch.empty_like(x)
+    _run(p, gate, dtile, kind, det)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe_decode(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, gate_up_tile=gate, down_tile=dtile,
+                   down=kind, out=out)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_moe_close(out, _ref(p))
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_range_ids_contribute_nothing():
+    # Without the synchronizing check an id >= E is another rank's expert; with it, a ValueError.
+    h, i, p = _gpu_problem("qwen3-30b-a3b", 5)
+    x, w13, d13, w2, d2, tw, ti, _ = p
+    e = w13.codes.shape[0]
+    bad = ti.clone()
+    bad[1, 2] = e + 3
+    bad[3, 0] = -1
+    gate, kind, det, dtile = _gpu_tiles(h, i)
+    out = moe_decode(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, bad, gate_up_tile=gate,
+                     down_tile=dtile, down=kind)
+    emap = torch.arange(e + 4, dtype=torch.int32, device="cuda")
+    emap[e:] = -1  # the reference's view of the same routing: ids >= E (and -1, the last entry) on no rank here
+    assert_moe_close(out, moe_ref(x, w13, d13, w2, d2, tw, bad, expert_map=emap))
+    with pytest.raises(ValueError, match="topk_ids"):
+        moe_decode(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, bad, gate_up_tile=gate,
+                   down_tile=dtile, down=kind, check_ids=True)
+
+
+@pytest.mark.gpu
+def test_gpu_empty_batch():
+    h, i, p = _gpu_problem("qwen3-30b-a3b", 0)
+    for down in GPU_DOWN:
+        gate, kind, det, dtile = _gpu_tiles(h, i, down=down)
+        assert _run(p, gate, dtile, kind, det).shape == (0, h)
+
+
+def test_workspace_sizes():
+    # Atomic: [T, H] sums and one count per (token, H tile); deterministic: one row per route.
+    assert down_expert_workspace(3, 8, 64, DOT, False, DEVICE).shape == (3 * 64 + 3 * 4,)
+    assert down_expert_workspace(3, 8, 64, DOT, True, DEVICE).shape == (24 * 64,)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: the inline-PTX decode (table + scale multiply, scale pairs) bit-exact against the pure-tl one
+# ---------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _decode_probe(codes_ptr, sf_ptr, out_ptr, out32_ptr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                  FAST: tl.constexpr):
+    r = tl.arange(0, ROWS)[:, None]
+    codes = tl.load(codes_ptr + r * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
+    sf = tl.load(sf_ptr + r * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)[None, :])
+    dtype = out_ptr.dtype.element_ty
+    offs = r * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    tl.store(out_ptr + offs, md._dequant_tile(codes, sf, ROWS, BLOCK_K, dtype, FAST))
+    tl.store(out32_ptr + offs, md._dequant_tile_f32(codes, sf, ROWS, BLOCK_K, dtype, FAST))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_fast_decode_bit_exact(dtype):
+    # Every code byte against every finite e4m3 scale (including subnormal scales and zero), a different scale in
+    # each 16-element group of a row, so a byte multiplied by a neighbour group's scale would show.
+    rows, block_k = 128, 512
+    scales = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    r = torch.arange(rows)[:, None]
+    g = torch.arange(block_k // 16)[None, :]
+    sf = scales[(r * 7 + g * 3) % scales.numel()].contiguous().cuda()
+    codes = ((torch.arange(block_k // 2)[None, :] + r * 5) % 256).to(torch.uint8).contiguous().cuda()
+    outs = {}
+    for fast in (True, False):
+        out = torch.empty(rows, block_k, dtype=dtype, device="cuda")
+        out32 = torch.empty(rows, block_k, dtype=torch.float32, device="cuda")
+        _decode_probe[(1,)](codes, sf, out, out32, ROWS=rows, BLOCK_K=block_k, FAST=fast, num_warps=4)
+        outs[fast] = (out, out32)
+    assert torch.equal(outs[True][0].view(torch.int16), outs[False][0].view(torch.int16))
+    assert torch.equal(outs[True][1].view(torch.int32), outs[False][1].view(torch.int32))
+    from vllm_nvfp4_sm120.format import unit_values
+
+    torch.testing.assert_close(outs[False][1], unit_values(codes, sf.view(torch.float8_e4m3fn)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("down,det", [("token", False), ("expert", False), ("expert", True)])
+def test_token_without_local_expert_is_zero(down, det):
+    # Token 1's slots are all another rank's experts: its output row is zeros (no program adds into it).
+    p = list(_problem(3, 8, 2, 80, 96, with_map=True))
+    ti = p[6].clone()
+    ti[1] = torch.tensor([0, 2], dtype=ti.dtype)  # even global ids: not on this rank
+    ti[0, 0], ti[2, 1] = 1, 3
+    p[6] = ti
+    out = _run(p, DOT, DOT, down, det)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert_moe_close(out, _ref(p))
+
+
+def test_sweep_script_runs(tmp_path):
+    # The device sweep end to end on a tiny shape (in the interpreter on CPU): every candidate checked against the
+    # reference, the JSON written.  Guards the lead's device run against a script error.
+    import json
+
+    SWEEP.main(["--device", DEVICE, "--shapes", "tiny", "--tokens", "2", "--gate-up", "gu-n16k256-w2-tma",
+                "--down", "tok-n16k256-w1,exp-n32k256-w2-tma-det", "--min-bytes", "1", "--repeats", "2",
+                "--no-baseline", "--out", str(tmp_path)])
+    row = json.loads((tmp_path / "moe_decode.json").read_text())["rows"][0]
+    assert row["failed"] == [] and set(row["errors"]) == {"gu-n16k256-w2-tma", "tok-n16k256-w1",
+                                                          "exp-n32k256-w2-tma-det"}
+    assert row["best"] and row["best_us"] > 0 and row["experts_touched"] >= 2

@@ -1,0 +1,1018 @@
+"""Align-free small-batch NVFP4 MoE (decode): the routing tensors go straight into the GEMM kernels.
+
+At decode sizes the MoE layer is the read of the routed experts' weights.  The prefill structure (align/sort pass,
+``BLOCK_M >= 16`` row blocks per expert) spends most of that time elsewhere, so these kernels take ``topk_ids``
+``[T, top_k]`` (flattened: route ``r = token * top_k + slot``) and the optional ``expert_map`` directly.  Every
+buffer is sized from shapes and nothing reads a device value on the host: CUDA-graph capturable.
+
+Kernels (weight-only numerics, as ``format.moe_ref(..., a13_gs=None, a2_gs=None)``; W4A16 and W4A4 banks alike):
+
+* ``_moe_decode_gate_up_kernel`` — expert-major with in-kernel dedupe.  Grid ``(rows, cdiv(I, BLOCK_N))`` where a
+  *row* is a route slot (``rows = T * top_k``) or, when there are more slots than local experts, a local expert
+  (``rows = E``): the smaller grid.  The program of slot ``s`` works only if ``s`` is the first slot routed to its
+  expert ``e``; that program (or the program of expert ``e``) gathers every route of ``e`` (a running count over
+  the match mask, ``BLOCK_T`` routes per chunk) and computes their gate and up columns ``j * BLOCK_N ..`` together: the
+  gate rows and the up rows of those columns are one stacked ``[2 * BLOCK_N, K]`` weight tile, so each touched
+  expert's w13 bytes are read from DRAM once per call however many tokens share it.  Epilogue
+  ``act(gate * dec) * (up * dec)`` in fp32 → the intermediate ``[T * top_k, I]`` in ``x.dtype``, one row per
+  route (rows of routes no local expert takes are left unwritten; nobody reads them).  Its programs can also zero
+  the fp32 workspace the atomic down kernel adds into (they run first).
+* ``_moe_decode_down_token_kernel`` — token-major: grid ``(T, cdiv(H, BLOCK_N))``; one program loops over its
+  token's ``top_k`` slots and K tiles in one flattened, pipelined loop, multiplies each partial product by
+  ``w2_dec[e] * topk_weight`` and sums in fp32 in slot order, then stores ``x.dtype``.  No atomics, no zeroing,
+  bit-identical across runs; re-reads the w2 rows of an expert shared by several tokens (from L2 when the
+  tokens' programs run together).
+* ``_moe_decode_down_expert_kernel`` — expert-major with the gate_up dedupe: each w2 block read once per call.
+  Atomic mode: the routing-weighted rows are fp32-atomically added into a ``[T, H]`` workspace (zeroed by the
+  gate_up kernel's programs) and counted per (token, H tile); the program whose add completes a tile (the last of
+  the token's local experts) casts it into the output, so the layer is still two launches.  Deterministic mode:
+  one fp32 row per route into ``[T * top_k, H]``, summed in slot order by ``_moe_decode_sum_kernel``.
+
+Inner product (``USE_DOT`` constexpr): tensor cores with the weight rows on the MMA's M side and the routes of a
+chunk on N (``tl.dot``, ``BLOCK_T >= 16``; M = ``16 * num_warps`` rows per program avoids Triton replicating the
+weight operand across warps), or CUDA-core fp32 FMAs for one or two routes per chunk.  Either way every weight
+element is decoded once per program and K tile, e2m1 x e4m3 products are exact in bf16/fp16, and sums are fp32:
+exact up to summation order.
+
+Decode (``FAST_DECODE`` constexpr): an inline-PTX lop3/prmt table (fp4_decode's, sm_80+) extended by the block
+scale multiply on the packed pairs (``mul.rn.{bf16,f16}x2``, sm_90+), so one code byte becomes one 32-bit register
+holding its two scaled 16-bit weights, the register an MMA operand pair is; without it, the pure-``tl`` decode of
+fp4_decode (interpreter, any GPU).  The block scales become packed pairs by the hardware e4m3 convert.
+
+Launch overlap (``pdl`` tiles of the down kernels, sm_90+): the gate_up kernel signals its dependents when it
+starts; a down kernel launched as a programmatic dependent computes its routing and prefetches its weight rows into
+L2 while the gate_up kernel finishes, and waits for it before reading the intermediate or writing anything.  At
+T = 1 the two dependent launches and the first DRAM latency are a real part of the layer's time.
+
+Routing ids out of range (``< 0`` or ``>= E``, or ``>= len(expert_map)`` with a map) cannot be checked on the device
+without a host sync: the kernels treat them as another rank's expert (the route contributes nothing), exactly as
+``-1`` in ``expert_map``.  :func:`check_topk_ids` is the synchronizing check (the launchers run it on CPU tensors,
+and on the GPU when asked with ``check_ids=True``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from .fp4_decode import dequant_rows_16bit
+from .moe_align import _local_expert
+from .moe_w4a16 import gated_activation_f32
+
+# One program holds every route id of the call in a vector: T * top_k is bounded (decode sizes only).
+MAX_ROUTES = 1024
+# That vector's width, in a few buckets (one compile each) rather than next_power_of_2(T * top_k) per batch size.
+_ROUTE_BLOCKS = (64, 256, MAX_ROUTES)
+# Vector width of the accumulator zeroing loop and of the sum kernel.
+_ZERO_BLOCK = tl.constexpr(1024)
+_SUM_BLOCK_H = 1024
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    """One kernel's tile and switches; every field is explicit (the dispatch chooses, this layer only runs).
+
+    ``block_n``: gate_up: intermediate columns per program (its weight tile holds the ``block_n`` gate rows and the
+    ``block_n`` up rows of those columns); down: output rows (of H) per program.  ``block_k``: K per pipelined loop
+    step.  ``block_t``: routes per chunk: the MMA's N (>= 16) with ``use_dot``, 1 or 2 on CUDA cores; the
+    token-major down kernel has one route per step and pads it to ``block_t``.  ``use_tma``: weight codes and scales
+    through TMA descriptors (sm_90+; the bank's K must be a multiple of 256 and ``block_k`` >= 256, see
+    :func:`tma_ok`) instead of pointer loads.  ``evict_first``: pointer weight loads with the evict-first L2 policy
+    (every weight byte is read once per call).  ``pdl`` (down kernels, GPU): launched as a programmatic dependent of
+    the gate_up kernel (which signals at its start), a program computes its routing and prefetches its weight rows
+    into L2 while the gate_up kernel finishes, then waits for it (``griddepcontrol.wait``) before touching anything it
+    wrote or anything later kernels read.
+    """
+
+    block_n: int
+    block_k: int
+    block_t: int
+    num_warps: int
+    num_stages: int
+    use_dot: bool
+    use_tma: bool = False
+    evict_first: bool = False
+    pdl: bool = False
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k", "block_t", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"DecodeTile.{name}: expected a power of two, got {v}")
+        if self.block_k < 32:
+            raise ValueError(f"DecodeTile.block_k: expected >= 32 (two 16-element scale groups), got {self.block_k}")
+        if self.use_dot and self.block_t < 16:
+            raise ValueError(f"DecodeTile.block_t: tl.dot needs N >= 16, got {self.block_t}")
+        if self.use_tma and not 256 <= self.block_k <= 512:
+            raise ValueError(f"DecodeTile.block_k: a TMA box of scales needs >= 16 bytes and of codes <= 256: "
+                             f"256 <= block_k <= 512, got {self.block_k}")
+        if self.num_stages < 1:
+            raise ValueError(f"DecodeTile.num_stages: expected >= 1, got {self.num_stages}")
+
+    def check_rows(self, rows: int, kernel: str) -> None:
+        """The weight rows of one program (gate_up: ``2 * block_n``): tl.dot needs M >= 16."""
+        if self.use_dot and rows < 16:
+            raise ValueError(f"tile: {kernel} with use_dot needs >= 16 weight rows per program, got {rows} "
+                             f"(block_n {self.block_n})")
+
+    def kernel_kwargs(self) -> dict:
+        return dict(BLOCK_N=self.block_n, BLOCK_K=self.block_k, BLOCK_T=self.block_t, USE_DOT=self.use_dot,
+                    USE_TMA=self.use_tma, EVICT_FIRST=self.evict_first, NUM_STAGES=self.num_stages)
+
+    def launch_kwargs(self, pdl_ok: bool) -> dict:
+        """``num_warps``, ``num_stages`` and, for a ``pdl`` tile where the device has it, ``launch_pdl``."""
+        kw = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.pdl and pdl_ok:
+            kw["launch_pdl"] = True
+        return kw
+
+
+def tma_ok(k: int) -> bool:
+    """Whether a bank with reduction size ``K`` can be read through TMA: the scale rows (K/16 bytes) must be a
+    multiple of 16 bytes."""
+    return k % 256 == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compile-harness signatures (bf16 activations, int32 ids; ``tma_signature`` for the descriptor variant).
+# Divisible: pointers and what is a multiple of 16 on checkpoint shapes (H, I multiples of 256); the route, token
+# and expert counts are not.
+# ---------------------------------------------------------------------------------------------------------------
+_TILE_CONSTEXPRS = {k: "constexpr" for k in ("BLOCK_N", "BLOCK_K", "BLOCK_T", "USE_DOT", "USE_TMA", "EVICT_FIRST",
+                                             "NUM_STAGES")}
+_BANK = {"w_ptr": "*u8", "w_sf_ptr": "*u8", "w_desc": "*u8", "s_desc": "*u8", "w_dec_ptr": "*fp32",
+         "ids_ptr": "*i32", "map_ptr": "*i32"}
+_DOWN_INTS = {k: "i32" for k in ("S", "H", "K", "E", "GLOBAL_E", "top_k", "stride_am", "stride_we", "stride_wn",
+                                 "stride_wse", "stride_wsn", "stride_om")}
+MOE_DECODE_GATE_UP_SIGNATURE = {
+    "x_ptr": "*bf16", **_BANK, "out_ptr": "*bf16", "zero_ptr": "*fp32",
+    **{k: "i32" for k in ("S", "I", "K", "E", "GLOBAL_E", "top_k", "zero_numel", "zero_chunk", "stride_xt",
+                          "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_om")},
+    "ACTIVATION": "constexpr", "HAS_MAP": "constexpr", "BY_EXPERT": "constexpr", "ZERO": "constexpr",
+    "S_BLOCK": "constexpr", "FAST_DECODE": "constexpr", "EVEN_K": "constexpr", "GDC": "constexpr",
+    **_TILE_CONSTEXPRS,
+}
+MOE_DECODE_DOWN_TOKEN_SIGNATURE = {
+    "a_ptr": "*bf16", **_BANK, "tw_ptr": "*fp32", "out_ptr": "*bf16", **_DOWN_INTS,
+    "HAS_MAP": "constexpr", "TOPK_BLOCK": "constexpr", "FAST_DECODE": "constexpr", "EVEN_K": "constexpr",
+    "PDL": "constexpr", **_TILE_CONSTEXPRS,
+}
+MOE_DECODE_DOWN_EXPERT_SIGNATURE = {
+    "a_ptr": "*bf16", **_BANK, "tw_ptr": "*fp32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "out_ptr": "*bf16",
+    **_DOWN_INTS,
+    "HAS_MAP": "constexpr", "BY_EXPERT": "constexpr", "DETERMINISTIC": "constexpr", "S_BLOCK": "constexpr",
+    "TOPK_BLOCK": "constexpr", "FAST_DECODE": "constexpr", "EVEN_K": "constexpr", "PDL": "constexpr",
+    **_TILE_CONSTEXPRS,
+}
+MOE_DECODE_SUM_SIGNATURE = {
+    "src_ptr": "*fp32", "ids_ptr": "*i32", "map_ptr": "*i32", "dst_ptr": "*bf16",
+    "H": "i32", "S": "i32", "E": "i32", "GLOBAL_E": "i32", "top_k": "i32", "stride_dst": "i32",
+    "HAS_MAP": "constexpr", "BLOCK_H": "constexpr",
+}
+_DIV_INTS = ("I", "K", "H", "stride_xt", "stride_am", "stride_we", "stride_wn", "stride_wse", "stride_wsn",
+             "stride_om", "stride_dst")
+
+
+def _divisible(signature: dict) -> list[str]:
+    return [k for k, v in signature.items() if v.startswith("*")] + [k for k in _DIV_INTS if k in signature]
+
+
+MOE_DECODE_GATE_UP_DIVISIBLE = _divisible(MOE_DECODE_GATE_UP_SIGNATURE)
+MOE_DECODE_DOWN_TOKEN_DIVISIBLE = _divisible(MOE_DECODE_DOWN_TOKEN_SIGNATURE)
+MOE_DECODE_DOWN_EXPERT_DIVISIBLE = _divisible(MOE_DECODE_DOWN_EXPERT_SIGNATURE)
+MOE_DECODE_SUM_DIVISIBLE = _divisible(MOE_DECODE_SUM_SIGNATURE)
+
+
+def tma_signature(signature: dict, divisible: list[str], parts: int, block_n: int, block_k: int):
+    """``(signature, divisible)`` with ``w_desc`` / ``s_desc`` the 3-D descriptors the launcher passes for
+    ``use_tma`` (boxes ``[parts, block_n, block_k/2]`` and ``[parts, block_n, block_k/16]``; parts = 2 for gate_up)."""
+    sig = signature | {"w_desc": f"tensordesc<u8[{parts},{block_n},{block_k // 2}]>",
+                       "s_desc": f"tensordesc<u8[{parts},{block_n},{block_k // 16}]>"}
+    return sig, [d for d in divisible if d not in ("w_desc", "s_desc")]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decode: code bytes + e4m3 block scales → scaled 16-bit weights
+# ---------------------------------------------------------------------------------------------------------------
+# fp4_decode's bf16 / fp16 tables (4 code bytes in $4 → 4 pairs), then pair i times the block scale pair $5+i
+# (both halves = byte i's scale).  The op is bytewise: which 4 bytes of a thread Triton packs into one instance
+# depends on the layout (on sm_90's wgmma operand they are 4 bytes apart), so no two need share a scale.  A prmt
+# takes one immediate: each table's first word is an operand ($9, $13, $17; see _thread_constant).  Triton passes
+# one register per 32-bit element of an argument, so $10..$12, $14..$16, $18..$20 repeat them.
+_SCALED_BF16X2_PTX = tl.constexpr(
+    "{\n"
+    ".reg .b32 a<17>;\n"
+    "and.b32 a0, $4, 0x88888888;\n"
+    "shr.u32 a1, a0, 3;\n"
+    "and.b32 a2, $4, 0x77777777;\n"
+    "shr.u32 a3, a2, 16;\n"
+    "shr.u32 a4, a0, 19;\n"
+    "prmt.b32 a5, $9, 0xC0804000, a2;\n"  # low bytes of bf16(|v|): table C0800000 C0804000
+    "prmt.b32 a6, $9, 0xC0804000, a3;\n"
+    "prmt.b32 a7, $13, 0x40404040, a2;\n"  # high bytes: table 3F3F3F00 40404040
+    "prmt.b32 a8, $13, 0x40404040, a3;\n"
+    "prmt.b32 a9, $17, 0, a1;\n"  # sign bytes: 0x80 where set
+    "prmt.b32 a10, $17, 0, a4;\n"
+    "or.b32 a11, a7, a9;\n"
+    "or.b32 a12, a8, a10;\n"
+    "prmt.b32 a13, a5, a11, 0x5140;\n"
+    "prmt.b32 a14, a5, a11, 0x7362;\n"
+    "prmt.b32 a15, a6, a12, 0x5140;\n"
+    "prmt.b32 a16, a6, a12, 0x7362;\n"
+    "mul.rn.bf16x2 $0, a13, $5;\n"
+    "mul.rn.bf16x2 $1, a14, $6;\n"
+    "mul.rn.bf16x2 $2, a15, $7;\n"
+    "mul.rn.bf16x2 $3, a16, $8;\n"
+    "}"
+)
+_SCALED_F16X2_PTX = tl.constexpr(
+    "{\n"
+    ".reg .b32 a<13>;\n"
+    "and.b32 a0, $4, 0x88888888;\n"
+    "shr.u32 a1, a0, 3;\n"
+    "and.b32 a2, $4, 0x77777777;\n"
+    "shr.u32 a3, a2, 16;\n"
+    "shr.u32 a4, a0, 19;\n"
+    "prmt.b32 a5, $9, 0x46444240, a2;\n"  # high bytes of fp16(|v|): table 3E3C3800 46444240
+    "prmt.b32 a6, $9, 0x46444240, a3;\n"
+    "prmt.b32 a7, $17, 0, a1;\n"
+    "prmt.b32 a8, $17, 0, a4;\n"
+    "or.b32 a5, a5, a7;\n"
+    "or.b32 a6, a6, a8;\n"
+    "prmt.b32 a9, a5, 0, 0x1404;\n"
+    "prmt.b32 a10, a5, 0, 0x3424;\n"
+    "prmt.b32 a11, a6, 0, 0x1404;\n"
+    "prmt.b32 a12, a6, 0, 0x3424;\n"
+    "mul.rn.f16x2 $0, a9, $5;\n"
+    "mul.rn.f16x2 $1, a10, $6;\n"
+    "mul.rn.f16x2 $2, a11, $7;\n"
+    "mul.rn.f16x2 $3, a12, $8;\n"
+    "}"
+)
+_SCALED_PAIRS_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 17))
+
+
+# ptxas keeps a constant that is the same in every thread in a uniform register and copies it into a regular one
+# before every prmt that reads it (a prmt has one immediate operand and cannot read uniform registers): ~6
+# instructions per 4 code bytes, a sixth of the decode loop.  min(laneid | c, c) == c, but ptxas cannot prove the
+# value uniform, so it computes it once and keeps it in a regular register.  The asm's input ($1) is only there to
+# give the result the layout of the codes it is combined with (a constant input would get a layout of its own).
+def _thread_constant_ptx(value: int) -> tl.constexpr:
+    v = value & 0xFFFFFFFF
+    return tl.constexpr("{ .reg .u32 l; mov.u32 l, %%laneid; or.b32 l, l, %d; min.u32 $0, l, %d; }" % (v, v))
+
+
+_BF16_LOW_TABLE = _thread_constant_ptx(0xC0800000)  # low bytes of bf16(|e2m1|) for codes 0..3
+_BF16_HIGH_TABLE = _thread_constant_ptx(0x3F3F3F00)  # high bytes, codes 0..3
+_F16_HIGH_TABLE = _thread_constant_ptx(0x3E3C3800)  # high bytes of fp16(|e2m1|), codes 0..3
+_SIGN_TABLE = _thread_constant_ptx(0x8000)  # sign byte 0x00 / 0x80
+
+
+# e4m3 block-scale bytes (4 in $4) → each as a pair (s, s) of the activation type ($0..$3), for the pair multiply.
+# The hardware e4m3x2 → f16x2 convert (sm_89+) is exact (e4m3 ⊂ fp16), and so is fp16 → fp32 → bf16 (e4m3 ⊂ bf16).
+_SCALE_PAIRS_F16_PTX = tl.constexpr(
+    "{ .reg .b16 b<2>; .reg .b32 h<2>; mov.b32 {b0, b1}, $4; "
+    "cvt.rn.f16x2.e4m3x2 h0, b0; cvt.rn.f16x2.e4m3x2 h1, b1; "
+    "prmt.b32 $0, h0, 0, 0x1010; prmt.b32 $1, h0, 0, 0x3232; prmt.b32 $2, h1, 0, 0x1010; "
+    "prmt.b32 $3, h1, 0, 0x3232; }"
+)
+_SCALE_PAIRS_BF16_PTX = tl.constexpr(
+    "{ .reg .b16 b<2>, s<4>; .reg .b32 h<2>; .reg .f32 f<4>; mov.b32 {b0, b1}, $4; "
+    "cvt.rn.f16x2.e4m3x2 h0, b0; cvt.rn.f16x2.e4m3x2 h1, b1; mov.b32 {s0, s1}, h0; mov.b32 {s2, s3}, h1; "
+    "cvt.f32.f16 f0, s0; cvt.f32.f16 f1, s1; cvt.f32.f16 f2, s2; cvt.f32.f16 f3, s3; "
+    "cvt.rn.bf16x2.f32 $0, f0, f0; cvt.rn.bf16x2.f32 $1, f1, f1; cvt.rn.bf16x2.f32 $2, f2, f2; "
+    "cvt.rn.bf16x2.f32 $3, f3, f3; }"
+)
+
+
+@triton.jit
+def _scale_pairs(sf, DTYPE: tl.constexpr):
+    """e4m3 scale bytes (uint8, any shape) → int32 of the same shape: ``(s, s)`` packed in ``DTYPE`` (bf16/fp16)."""
+    if DTYPE == tl.bfloat16:
+        out = tl.inline_asm_elementwise(_SCALE_PAIRS_BF16_PTX, "=r,=r,=r,=r,r", [sf], dtype=tl.int32, is_pure=True,
+                                        pack=4)
+    else:
+        out = tl.inline_asm_elementwise(_SCALE_PAIRS_F16_PTX, "=r,=r,=r,=r,r", [sf], dtype=tl.int32, is_pure=True,
+                                        pack=4)
+    return out
+
+
+@triton.jit
+def _thread_constant(PTX: tl.constexpr, like):
+    """An int32 tensor with the layout of ``like``, every element the constant of ``PTX``, held in a regular
+    register (see above)."""
+    return tl.inline_asm_elementwise(PTX, "=r,r", [like.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _scaled_pairs(codes, sf, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+    """``[ROWS, BLOCK_K/2]`` code bytes, ``[ROWS, BLOCK_K/16]`` e4m3 bytes → int32 ``[ROWS, BLOCK_K/16, 8]``: per
+    code byte its two weights ``e2m1 * e4m3`` (exact) as a packed 16-bit pair, the even element in the low half."""
+    pair = _scale_pairs(sf, DTYPE)[:, :, None]
+    c3 = codes.reshape(ROWS, BLOCK_K // 16, 8)
+    sign = _thread_constant(_SIGN_TABLE, c3)
+    if DTYPE == tl.bfloat16:
+        low = _thread_constant(_BF16_LOW_TABLE, c3)
+        high = _thread_constant(_BF16_HIGH_TABLE, c3)
+        out = tl.inline_asm_elementwise(_SCALED_BF16X2_PTX, _SCALED_PAIRS_CONSTRAINTS, [c3, pair, low, high, sign],
+                                        dtype=tl.int32, is_pure=True, pack=4)
+    else:
+        tl.static_assert(DTYPE == tl.float16, "moe_decode: activations must be bf16 or fp16")
+        high = _thread_constant(_F16_HIGH_TABLE, c3)
+        out = tl.inline_asm_elementwise(_SCALED_F16X2_PTX, _SCALED_PAIRS_CONSTRAINTS, [c3, pair, high, high, sign],
+                                        dtype=tl.int32, is_pure=True, pack=4)
+    return out
+
+
+@triton.jit
+def _dequant_tile(codes, sf, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
+                  FAST_DECODE: tl.constexpr):
+    """Scaled weights ``[ROWS, BLOCK_K]`` in ``DTYPE`` (the MMA operand)."""
+    if FAST_DECODE:
+        p = _scaled_pairs(codes, sf, ROWS, BLOCK_K, DTYPE)
+        lo = p.to(tl.int16).to(DTYPE, bitcast=True)  # truncation keeps the low half
+        hi = (p >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+        w = tl.join(lo, hi).reshape(ROWS, BLOCK_K)
+    else:
+        w = dequant_rows_16bit(codes, sf, ROWS, BLOCK_K, DTYPE, False)
+    return w
+
+
+@triton.jit
+def _dequant_tile_f32(codes, sf, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
+                      FAST_DECODE: tl.constexpr):
+    """The same weights as fp32 ``[ROWS, BLOCK_K]`` (CUDA-core path); bf16 → fp32 is a shift of the pair."""
+    if FAST_DECODE and DTYPE == tl.bfloat16:
+        p = _scaled_pairs(codes, sf, ROWS, BLOCK_K, DTYPE)
+        lo = (p << 16).to(tl.float32, bitcast=True)
+        hi = (p & -65536).to(tl.float32, bitcast=True)
+        w = tl.join(lo, hi).reshape(ROWS, BLOCK_K)
+    else:
+        w = _dequant_tile(codes, sf, ROWS, BLOCK_K, DTYPE, FAST_DECODE).to(tl.float32)
+    return w
+
+
+@triton.jit
+def _acc_init(ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr):
+    """The K-loop accumulator: the MMA's ``[ROWS, BLOCK_T]``, or per-element fp32 partial sums ``[ROWS, BLOCK_K,
+    BLOCK_T]`` on CUDA cores (one FMA per weight and route; reduced over K once, after the loop)."""
+    if USE_DOT:
+        acc = tl.zeros((ROWS, BLOCK_T), dtype=tl.float32)
+    else:
+        acc = tl.zeros((ROWS, BLOCK_K, BLOCK_T), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _acc_finish(acc, USE_DOT: tl.constexpr):
+    """``[ROWS, BLOCK_T]`` sums of the accumulator."""
+    if USE_DOT:
+        out = acc
+    else:
+        out = tl.sum(acc, axis=1)
+    return out
+
+
+@triton.jit
+def _tile_product(w, s, a, acc, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, USE_DOT: tl.constexpr,
+                  FAST_DECODE: tl.constexpr):
+    """``acc += W [ROWS, BLOCK_K] @ a [BLOCK_K, BLOCK_T]`` (fp32) for the accumulator of :func:`_acc_init`; the
+    weights are decoded to ``DTYPE`` (the activations' 16-bit type; ``a`` itself may be fp32 on CUDA cores)."""
+    if USE_DOT:
+        acc = tl.dot(_dequant_tile(w, s, ROWS, BLOCK_K, DTYPE, FAST_DECODE), a, acc)
+    else:
+        wf = _dequant_tile_f32(w, s, ROWS, BLOCK_K, DTYPE, FAST_DECODE)
+        acc = tl.fma(wf[:, :, None], a.to(tl.float32)[None, :, :], acc)
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Programmatic dependent launch: the down kernel's prologue overlaps the gate_up kernel's tail
+# ---------------------------------------------------------------------------------------------------------------
+_PREFETCH_L2_PTX = tl.constexpr("prefetch.global.L2 [$1]; // $0")
+_GDC_WAIT_PTX = tl.constexpr("griddepcontrol.wait; // $0")
+_GDC_LAUNCH_PTX = tl.constexpr("griddepcontrol.launch_dependents; // $0")
+
+
+@triton.jit
+def _gdc_wait(GDC: tl.constexpr):
+    """Wait for the preceding grid and the visibility of its writes (a no-op when not launched as a dependent)."""
+    if GDC:
+        tl.inline_asm_elementwise(_GDC_WAIT_PTX, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _gdc_launch_dependents(GDC: tl.constexpr):
+    """Let a programmatically dependent next grid start once every program here has started."""
+    if GDC:
+        tl.inline_asm_elementwise(_GDC_LAUNCH_PTX, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_rows(w_ptr, w_sf_ptr, w_rows, s_rows, row_ok, K):
+    """L2 prefetch of weight rows (byte offsets ``w_rows`` / ``s_rows`` into the codes / scales), 128-byte lines."""
+    for off in range(0, K // 2, 128):
+        ptrs = tl.where(row_ok, w_ptr + w_rows + off, w_ptr)
+        tl.inline_asm_elementwise(_PREFETCH_L2_PTX, "=r,l", [ptrs.to(tl.int64)], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+    for off in range(0, K // 16, 128):
+        ptrs = tl.where(row_ok, w_sf_ptr + s_rows + off, w_sf_ptr)
+        tl.inline_asm_elementwise(_PREFETCH_L2_PTX, "=r,l", [ptrs.to(tl.int64)], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Routing: which program works, and the routes of its expert
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E,
+                    HAS_MAP: tl.constexpr, BY_EXPERT: tl.constexpr, S_BLOCK: tl.constexpr):
+    """``(live, e, seen, count)`` of grid row ``row``: its local expert ``e``, per route the number of routes to ``e``
+    up to and including it, and their count.  ``live`` is False for the programs that must do nothing: a slot that
+    is not the first of its expert (or has none), an expert no route reaches."""
+    offs = tl.arange(0, S_BLOCK)
+    ids = _local_expert(ids_ptr, map_ptr, offs, S, E, GLOBAL_E, HAS_MAP)
+    if BY_EXPERT:
+        e = row
+        match = ids == e
+        count = tl.sum(match.to(tl.int32), axis=0)
+        live = count > 0
+    else:
+        e = tl.max(tl.where(offs == row, ids, -1), axis=0)
+        match = (ids == e) & (e >= 0)
+        count = tl.sum(match.to(tl.int32), axis=0)
+        first = tl.min(tl.where(match, offs, S_BLOCK), axis=0)
+        live = (e >= 0) & (first == row)
+    seen = tl.cumsum(match.to(tl.int32), axis=0)
+    return live, e, seen, count
+
+
+@triton.jit
+def _chunk_routes(seen, c0, count, BLOCK_T: tl.constexpr):
+    """Routes ``c0 .. c0 + BLOCK_T`` of the expert (in route order) and their mask.  ``seen`` is non-decreasing,
+    so the n-th route to the expert (from 0) is the number of routes with ``seen <= n``: one compare and one add
+    per (route, slot)."""
+    want = c0 + tl.arange(0, BLOCK_T)
+    route = tl.sum((seen[None, :] <= want[:, None]).to(tl.int32), axis=1)
+    return route, want < count
+
+
+@triton.jit
+def _load_tile(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, desc_p, desc_n, k0, K,
+               ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr, EVICT_FIRST: tl.constexpr,
+               EVEN_K: tl.constexpr):
+    """Codes ``[ROWS, BLOCK_K/2]`` and scale bytes ``[ROWS, BLOCK_K/16]`` of K tile ``k0``.
+
+    Pointer loads: rows at byte offsets ``w_rows`` / ``s_rows`` of the codes / scales (``row_ok`` masks them).
+    ``USE_TMA``: the ``[P, ROWS / P, ...]`` boxes at ``(desc_p, desc_n, k0)`` of the banks' 3-D descriptors, rows past
+    the bank zero-filled.  Zero codes and scales past K contribute exactly 0.
+    """
+    offs_kb = tl.arange(0, BLOCK_K // 2)
+    offs_ks = tl.arange(0, BLOCK_K // 16)
+    if USE_TMA:
+        w = w_desc.load([desc_p, desc_n, k0 // 2]).reshape(ROWS, BLOCK_K // 2)
+        s = s_desc.load([desc_p, desc_n, k0 // 16]).reshape(ROWS, BLOCK_K // 16)
+    else:
+        w_ptrs = w_ptr + w_rows[:, None] + (k0 // 2 + offs_kb)[None, :]
+        s_ptrs = w_sf_ptr + s_rows[:, None] + (k0 // 16 + offs_ks)[None, :]
+        if EVEN_K:
+            w_mask = row_ok[:, None]
+            s_mask = row_ok[:, None]
+        else:
+            w_mask = row_ok[:, None] & ((k0 // 2 + offs_kb) < K // 2)[None, :]
+            s_mask = row_ok[:, None] & ((k0 // 16 + offs_ks) < K // 16)[None, :]
+        if EVICT_FIRST:
+            w = tl.load(w_ptrs, mask=w_mask, other=0, eviction_policy="evict_first")
+            s = tl.load(s_ptrs, mask=s_mask, other=0, eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptrs, mask=w_mask, other=0)
+            s = tl.load(s_ptrs, mask=s_mask, other=0)
+    return w, s
+
+
+@triton.jit
+def _load_act(a_ptr, a_rows, a_ok, stride_a, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Activation rows ``a_rows`` (masked by ``a_ok``) of K tile ``k0`` as the MMA's ``[BLOCK_K, BLOCK_T]``."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    ptrs = a_ptr + a_rows[None, :].to(tl.int64) * stride_a + offs_k[:, None]
+    if EVEN_K:
+        a = tl.load(ptrs, mask=a_ok[None, :], other=0.0)
+    else:
+        a = tl.load(ptrs, mask=a_ok[None, :] & (offs_k < K)[:, None], other=0.0)
+    return a
+
+
+@triton.jit
+def _expert_rows_product(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, desc_p, desc_n, a_ptr, a_rows, a_ok,
+                         stride_a, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                         USE_DOT: tl.constexpr, USE_TMA: tl.constexpr, FAST_DECODE: tl.constexpr,
+                         EVICT_FIRST: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """``[ROWS, BLOCK_T]`` fp32: one expert's weight rows (see :func:`_load_tile`) times the activation rows
+    ``a_rows`` of ``a``, over K."""
+    acc = _acc_init(ROWS, BLOCK_K, BLOCK_T, USE_DOT)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        w, s = _load_tile(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, desc_p, desc_n, k0, K, ROWS,
+                          BLOCK_K, USE_TMA, EVICT_FIRST, EVEN_K)
+        a = _load_act(a_ptr, a_rows, a_ok, stride_a, k0, K, BLOCK_K, EVEN_K)
+        acc = _tile_product(w, s, a, acc, ROWS, BLOCK_K, a_ptr.dtype.element_ty, USE_DOT, FAST_DECODE)
+    return _acc_finish(acc, USE_DOT)
+
+
+@triton.jit
+def _zero_slice(zero_ptr, pid, zero_numel, zero_chunk, ZERO_BLOCK: tl.constexpr):
+    start = pid.to(tl.int64) * zero_chunk
+    for z0 in range(0, zero_chunk, ZERO_BLOCK):
+        offs = z0 + tl.arange(0, ZERO_BLOCK)
+        tl.store(zero_ptr + start + offs, tl.zeros((ZERO_BLOCK,), tl.float32),
+                 mask=(start + offs < zero_numel) & (offs < zero_chunk))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _moe_decode_gate_up_kernel(
+    x_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, ids_ptr, map_ptr, out_ptr, zero_ptr,
+    S, I, K, E, GLOBAL_E, top_k, zero_numel, zero_chunk,
+    stride_xt, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    ACTIVATION: tl.constexpr, HAS_MAP: tl.constexpr, BY_EXPERT: tl.constexpr, ZERO: tl.constexpr,
+    S_BLOCK: tl.constexpr, FAST_DECODE: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+    GDC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr,
+    EVICT_FIRST: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    # A down kernel launched as a programmatic dependent may start its prologue (routing, L2 prefetch of its
+    # weights: nothing this kernel writes) as soon as every program here has started.
+    _gdc_launch_dependents(GDC)
+    row = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if ZERO:  # the atomic down kernel's accumulator, one slice per program (every program, live or not)
+        _zero_slice(zero_ptr, row * tl.num_programs(1) + pid_n, zero_numel, zero_chunk, _ZERO_BLOCK)
+    live, e, seen, count = _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E, HAS_MAP, BY_EXPERT, S_BLOCK)
+    if live:
+        # Stacked tile: rows 0..BLOCK_N are gate rows n, rows BLOCK_N..2 BLOCK_N the up rows I + n (the TMA box
+        # [2, BLOCK_N, .] of the bank viewed as [2E, I, K/2]).
+        r = tl.arange(0, 2 * BLOCK_N)
+        col = pid_n * BLOCK_N + r % BLOCK_N
+        w_row = ((r // BLOCK_N) * I + col).to(tl.int64)
+        row_ok = col < I
+        e64 = e.to(tl.int64)
+        w_rows = e64 * stride_we + w_row * stride_wn
+        s_rows = e64 * stride_wse + w_row * stride_wsn
+        dec = tl.load(w_dec_ptr + e)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        for c0 in range(0, count, BLOCK_T):
+            route, r_ok = _chunk_routes(seen, c0, count, BLOCK_T)
+            acc = _expert_rows_product(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, 2 * e,
+                                       pid_n * BLOCK_N, x_ptr, route // top_k, r_ok, stride_xt, K, 2 * BLOCK_N,
+                                       BLOCK_K, BLOCK_T, USE_DOT, USE_TMA, FAST_DECODE, EVICT_FIRST, EVEN_K,
+                                       NUM_STAGES)
+            gate, up = acc.reshape(2, BLOCK_N, BLOCK_T).permute(1, 2, 0).split()
+            inter = gated_activation_f32(gate * dec, up * dec, ACTIVATION)
+            out_ptrs = out_ptr + route[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+            tl.store(out_ptrs, inter.to(out_ptr.dtype.element_ty), mask=(offs_n < I)[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _moe_decode_down_token_kernel(
+    a_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, ids_ptr, map_ptr, tw_ptr, out_ptr,
+    S, H, K, E, GLOBAL_E, top_k,
+    stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    HAS_MAP: tl.constexpr, TOPK_BLOCK: tl.constexpr, FAST_DECODE: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+    USE_DOT: tl.constexpr, EVICT_FIRST: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slots = tl.arange(0, TOPK_BLOCK)
+    routes = tl.where(slots < top_k, t * top_k + slots, S)
+    ids = _local_expert(ids_ptr, map_ptr, routes, S, E, GLOBAL_E, HAS_MAP)
+    ok = ids >= 0
+    # The slots with a local expert, compacted: the loop never touches another rank's (or no) expert.
+    rank = tl.cumsum(ok.to(tl.int32), axis=0) - 1
+    n_live = tl.sum(ok.to(tl.int32), axis=0)
+    # Per slot: w2_dec[e] * topk_weight, applied to each K tile's partial product.
+    coef = tl.load(w_dec_ptr + ids, mask=ok, other=0.0) * tl.load(tw_ptr + routes, mask=ok, other=0.0)
+
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < H
+    if PDL:  # everything above reads only the router's outputs; the intermediate is the gate_up kernel's
+        for j in range(n_live):
+            e64 = tl.sum(tl.where(ok & (rank == j), ids, 0), axis=0).to(tl.int64)
+            _prefetch_rows(w_ptr, w_sf_ptr, e64 * stride_we + rows.to(tl.int64) * stride_wn,
+                           e64 * stride_wse + rows.to(tl.int64) * stride_wsn, row_ok, K)
+        _gdc_wait(PDL)
+    cols = tl.arange(0, BLOCK_T)
+    nk = tl.cdiv(K, BLOCK_K)
+    y = _acc_init(BLOCK_N, BLOCK_K, BLOCK_T, USE_DOT)
+    # One loop over (slot, K tile), so the loads stream across slots without draining the pipeline.
+    for it in tl.range(0, n_live * nk, num_stages=NUM_STAGES):
+        j = it // nk
+        k0 = (it - j * nk) * BLOCK_K
+        pick = ok & (rank == j)
+        slot = tl.sum(tl.where(pick, slots, 0), axis=0)
+        e = tl.sum(tl.where(pick, ids, 0), axis=0)
+        c = tl.sum(tl.where(pick, coef, 0.0), axis=0)
+        e64 = e.to(tl.int64)
+        w_rows = e64 * stride_we + rows.to(tl.int64) * stride_wn
+        s_rows = e64 * stride_wse + rows.to(tl.int64) * stride_wsn
+        w, s = _load_tile(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, e, pid_n * BLOCK_N, k0, K,
+                          BLOCK_N, BLOCK_K, USE_TMA, EVICT_FIRST, EVEN_K)
+        # The route's row on column 0 of the MMA's N (or the single CUDA-core column); the others are zeros.
+        a = _load_act(a_ptr, t * top_k + slot + cols * 0, cols == 0, stride_am, k0, K, BLOCK_K, EVEN_K)
+        if USE_DOT:
+            y += _tile_product(w, s, a, tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32), BLOCK_N, BLOCK_K, a.dtype,
+                               True, FAST_DECODE) * c
+        else:  # the slot's factor on the activations: one multiply per k instead of one per weight
+            y = _tile_product(w, s, a.to(tl.float32) * c, y, BLOCK_N, BLOCK_K, a.dtype, False, FAST_DECODE)
+    y = _acc_finish(y, USE_DOT)
+    out = tl.sum(tl.where((cols == 0)[None, :], y, 0.0), axis=1)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _local_slots(ids_ptr, map_ptr, tok, S, E, GLOBAL_E, top_k, HAS_MAP: tl.constexpr, TOPK_BLOCK: tl.constexpr):
+    """Per token of ``tok``: how many of its slots have a local expert."""
+    slots = tl.arange(0, TOPK_BLOCK)
+    routes = tl.where(slots[None, :] < top_k, tok[:, None] * top_k + slots[None, :], S)
+    ids = _local_expert(ids_ptr, map_ptr, routes, S, E, GLOBAL_E, HAS_MAP)
+    return tl.sum((ids >= 0).to(tl.int32), axis=1)
+
+
+@triton.jit
+def _moe_decode_down_expert_kernel(
+    a_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, ids_ptr, map_ptr, tw_ptr, ws_ptr, cnt_ptr, out_ptr,
+    S, H, K, E, GLOBAL_E, top_k,
+    stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    HAS_MAP: tl.constexpr, BY_EXPERT: tl.constexpr, DETERMINISTIC: tl.constexpr, S_BLOCK: tl.constexpr,
+    TOPK_BLOCK: tl.constexpr, FAST_DECODE: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+    PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr,
+    EVICT_FIRST: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    row = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    num_n = tl.num_programs(1)
+    live, e, seen, count = _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E, HAS_MAP, BY_EXPERT, S_BLOCK)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < H
+    e64 = e.to(tl.int64)
+    w_rows = e64 * stride_we + rows.to(tl.int64) * stride_wn
+    s_rows = e64 * stride_wse + rows.to(tl.int64) * stride_wsn
+    if PDL:  # the routing reads only the router's outputs; no write before the gate_up kernel is done
+        if live:
+            _prefetch_rows(w_ptr, w_sf_ptr, w_rows, s_rows, row_ok, K)
+        _gdc_wait(PDL)
+    if not DETERMINISTIC:
+        # A token none of whose slots has a local expert gets no down program: zeros, from the programs of grid
+        # row t, t + rows, ... (grid rows >= tokens in slot mode).
+        for t in range(row, S // top_k, tl.num_programs(0)):
+            n_local = _local_slots(ids_ptr, map_ptr, tl.full((1,), t, tl.int32), S, E, GLOBAL_E, top_k, HAS_MAP,
+                                   TOPK_BLOCK)
+            if tl.sum(n_local, axis=0) == 0:
+                tl.store(out_ptr + t * stride_om + rows,
+                         tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty), mask=row_ok)
+    if live:
+        dec = tl.load(w_dec_ptr + e)
+        for c0 in range(0, count, BLOCK_T):
+            route, r_ok = _chunk_routes(seen, c0, count, BLOCK_T)
+            acc = _expert_rows_product(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, e, pid_n * BLOCK_N,
+                                       a_ptr, route, r_ok, stride_am, K, BLOCK_N, BLOCK_K, BLOCK_T, USE_DOT, USE_TMA,
+                                       FAST_DECODE, EVICT_FIRST, EVEN_K, NUM_STAGES)
+            y = (acc * dec) * tl.load(tw_ptr + route, mask=r_ok, other=0.0)[None, :]
+            mask = row_ok[:, None] & r_ok[None, :]
+            if DETERMINISTIC:  # one fp32 row per route, summed in slot order by the sum kernel
+                tl.store(ws_ptr + route[None, :].to(tl.int64) * H + rows[:, None], y, mask=mask)
+            else:
+                # fp32 atomics into the token's row of the workspace (zeroed by the gate_up kernel); the program
+                # whose add completes a token's tile (the last of its local experts, counted in cnt) casts it.
+                tok = route // top_k
+                ws_tile = ws_ptr + tok[None, :].to(tl.int64) * H + rows[:, None]
+                tl.atomic_add(ws_tile, y, mask=mask, sem="relaxed")
+                tl.debug_barrier()  # every thread's adds before the release of the count
+                done = tl.atomic_add(cnt_ptr + tok * num_n + pid_n, 1, mask=r_ok, sem="acq_rel")
+                n_local = _local_slots(ids_ptr, map_ptr, tok, S, E, GLOBAL_E, top_k, HAS_MAP, TOPK_BLOCK)
+                last = r_ok & (done == n_local - 1)
+                tl.debug_barrier()
+                # .cg: the sum is in L2; this SM's L1 may hold a stale copy of a line shared with another tile.
+                total = tl.load(ws_tile, mask=row_ok[:, None] & last[None, :], other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + tok[None, :].to(tl.int64) * stride_om + rows[:, None],
+                         total.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & last[None, :])
+
+
+@triton.jit
+def _moe_decode_sum_kernel(
+    src_ptr, ids_ptr, map_ptr, dst_ptr,
+    H, S, E, GLOBAL_E, top_k, stride_dst,
+    HAS_MAP: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """``dst[t] = sum over the token's slots with a local expert of src[t * top_k + slot]`` in slot order (rows of
+    other ranks' routes were never written)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = offs < H
+    acc = tl.zeros((BLOCK_H,), tl.float32)
+    for slot in range(top_k):
+        r = t * top_k + slot
+        e = _local_expert(ids_ptr, map_ptr, r, S, E, GLOBAL_E, HAS_MAP)
+        acc += tl.load(src_ptr + r * H + offs, mask=ok & (e >= 0), other=0.0)
+    tl.store(dst_ptr + t * stride_dst + offs, acc.to(dst_ptr.dtype.element_ty), mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------------------
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_topk_ids(topk_ids, global_experts: int) -> None:
+    """ValueError if an id is outside ``[0, global_experts)``.  Reads the ids on the host: a synchronizing check,
+    not for CUDA-graph capture (the kernels themselves treat such ids as another rank's expert)."""
+    if topk_ids.numel() == 0:
+        return
+    lo, hi = int(topk_ids.min()), int(topk_ids.max())
+    if lo < 0 or hi >= global_experts:
+        raise ValueError(f"topk_ids: expected expert ids in [0, {global_experts}), got values in [{lo}, {hi}]")
+
+
+def _check_routing(topk_ids, topk_weights, expert_map, num_experts: int, t: int | None, check_ids: bool, device):
+    """topk ids/weights ``[T, top_k]`` (contiguous: the kernels index them flat) and the optional map; returns
+    ``(T, top_k, global E, map or a dummy, has_map)``."""
+    import torch
+
+    from ..format.checks import check_tensor
+
+    check_tensor("topk_ids", topk_ids, dtype=(torch.int32, torch.int64), ndim=2, device=device)
+    if t is not None:
+        check_tensor("topk_ids", topk_ids, shape=[t, None])
+    t, k = topk_ids.shape
+    if not topk_ids.is_contiguous():
+        raise ValueError(f"topk_ids: expected a contiguous [{t}, {k}] tensor, got strides {topk_ids.stride()}")
+    if k < 1:
+        raise ValueError(f"topk_ids: expected top_k >= 1, got shape {list(topk_ids.shape)}")
+    if t * k > MAX_ROUTES:
+        raise ValueError(f"topk_ids: T * top_k = {t * k} routes; the decode kernels take at most {MAX_ROUTES}")
+    if topk_weights is not None:
+        check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=[t, k], device=topk_ids.device)
+        if not topk_weights.is_contiguous():
+            raise ValueError(f"topk_weights: expected a contiguous [{t}, {k}] tensor, got strides "
+                             f"{topk_weights.stride()}")
+    global_e = num_experts
+    if expert_map is not None:
+        check_tensor("expert_map", expert_map, dtype=torch.int32, ndim=1, device=topk_ids.device)
+        if not expert_map.is_contiguous():
+            raise ValueError("expert_map: expected a contiguous 1-D tensor")
+        global_e = expert_map.shape[0]
+    if check_ids or topk_ids.device.type == "cpu":
+        check_topk_ids(topk_ids, global_e)
+    emap = expert_map if expert_map is not None else topk_ids
+    return t, k, global_e, emap, expert_map is not None
+
+
+def _check_bank(name: str, codes, scales, dec, rows: int | None, k: int | None, device):
+    """codes ``[E, rows, K/2]`` u8, scales ``[E, rows, K/16]`` e4m3 (or its bytes), dec ``[E]`` fp32, on
+    ``device``, rows contiguous.  Returns ``(scale bytes, E, rows, K)``."""
+    import torch
+
+    from ..format.checks import as_e4m3, check_tensor
+
+    check_tensor(f"{name}_codes", codes, dtype=torch.uint8, ndim=3, last_dim_contiguous=True, device=device)
+    e, n, kh = codes.shape
+    want = [e, rows if rows is not None else n, k // 2 if k is not None else kh]
+    check_tensor(f"{name}_codes", codes, shape=want)
+    kk = 2 * kh
+    if kk % 16:
+        raise ValueError(f"{name}_codes: K = {kk} must be a multiple of 16 (one e4m3 scale per 16 weights)")
+    scales = as_e4m3(f"{name}_scales", scales)
+    check_tensor(f"{name}_scales", scales, shape=[e, n, kk // 16], last_dim_contiguous=True, device=device)
+    check_tensor(f"{name}_dec", dec, dtype=torch.float32, shape=[e], device=device)
+    return scales.view(torch.uint8), e, n, kk
+
+
+def _route_block(routes: int) -> int:
+    return next(b for b in _ROUTE_BLOCKS if routes <= b)
+
+
+def _fast_decode(device) -> bool:
+    """The inline-PTX decode where it compiles (sm_90+: ``mul.bf16x2``), else the pure-``tl`` one (the interpreter,
+    older GPUs).  Not a tuning choice: both give the same bits.  The same condition gates grid dependency control
+    (``griddepcontrol``, sm_90+)."""
+    import torch
+
+    return device.type == "cuda" and not _interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+_gdc_ok = _fast_decode
+
+
+def _descriptors(name: str, codes, scale_bytes, parts: int, tile: DecodeTile):
+    """``(w_desc, s_desc)`` kernel arguments: TMA descriptors over the bank viewed as ``[E * parts, rows / parts,
+    K/2]`` (gate_up: parts 2, the gate and the up halves) when the tile asks for TMA, else the tensors (unused)."""
+    if not tile.use_tma:
+        return codes, scale_bytes
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    e, n, kh = codes.shape
+    k = 2 * kh
+    ok = tma_ok(k) and codes.stride(1) % 16 == 0 and codes.data_ptr() % 16 == 0 and scale_bytes.data_ptr() % 16 == 0
+    ok = ok and scale_bytes.stride(1) % 16 == 0 and n % parts == 0
+    if parts > 1:  # the [E * parts] view needs the experts' rows back to back
+        ok = ok and codes.stride(0) == n * codes.stride(1) and scale_bytes.stride(0) == n * scale_bytes.stride(1)
+    if not ok:
+        raise ValueError(f"{name}_codes: use_tma needs K % 256 == 0, 16-byte aligned rows and row-contiguous experts, "
+                         f"got shape {list(codes.shape)} strides {codes.stride()} (scales {scale_bytes.stride()})")
+    rows = n // parts
+    w_desc = TensorDescriptor(codes, [e * parts, rows, kh], [rows * codes.stride(1), codes.stride(1), 1],
+                              [parts, tile.block_n, tile.block_k // 2])
+    s_desc = TensorDescriptor(scale_bytes, [e * parts, rows, k // 16],
+                              [rows * scale_bytes.stride(1), scale_bytes.stride(1), 1],
+                              [parts, tile.block_n, tile.block_k // 16])
+    return w_desc, s_desc
+
+
+def moe_decode_gate_up(
+    x, w13_codes, w13_scales, w13_dec, topk_ids, *, tile: DecodeTile, expert_map=None, activation: str = "silu",
+    out=None, zero=None, check_ids: bool = False,
+):
+    """``act(x[t] @ w13[e, :I]^T * dec) * (x[t] @ w13[e, I:]^T * dec)`` per route → intermediate ``[T * top_k, I]``
+    in ``x.dtype`` (rows of routes without a local expert are left unwritten).
+
+    ``x [T, H]`` bf16/fp16 (rows may be strided); ``topk_ids [T, top_k]`` int32/int64 global ids, mapped by
+    ``expert_map [global_E]`` int32 (-1: another rank's expert).  ``zero``: an fp32 tensor (any shape, contiguous)
+    the kernel's programs zero before any other work, e.g. the accumulator of :func:`moe_decode_down_expert`'s
+    atomic mode, saving a memset launch.
+    """
+    import torch
+
+    from ..format.checks import ACT_DTYPES, check_tensor
+    from ..format.reference import ACTIVATIONS
+
+    check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
+    t, h = x.shape
+    w_sf, e, two_i, _ = _check_bank("w13", w13_codes, w13_scales, w13_dec, None, h, x.device)
+    if two_i % 32:
+        raise ValueError(f"w13_codes: 2I = {two_i} rows must be gate and up halves with I % 16 == 0")
+    i = two_i // 2
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    t, k, global_e, emap, has_map = _check_routing(topk_ids, None, expert_map, e, t, check_ids, x.device)
+    s = t * k
+    if out is None:
+        out = torch.empty((s, i), dtype=x.dtype, device=x.device)
+    check_tensor("out", out, dtype=x.dtype, shape=[s, i], last_dim_contiguous=True, device=x.device)
+    if zero is not None:
+        check_tensor("zero", zero, dtype=torch.float32, device=x.device)
+        if not zero.is_contiguous():
+            raise ValueError("zero: expected a contiguous tensor (its storage is zeroed flat)")
+    tile.check_rows(2 * tile.block_n, "gate_up")
+    if s == 0:
+        if zero is not None:
+            zero.zero_()
+        return out
+    rows = min(s, e)  # one grid row per slot, or per local expert when that is fewer programs
+    grid = (rows, triton.cdiv(i, tile.block_n))
+    programs = grid[0] * grid[1]
+    zero_numel = zero.numel() if zero is not None else 0
+    zero_chunk = -(-zero_numel // programs) if zero is not None else 0
+    w_desc, s_desc = _descriptors("w13", w13_codes, w_sf, 2, tile)
+    _moe_decode_gate_up_kernel[grid](
+        x, w13_codes, w_sf, w_desc, s_desc, w13_dec, topk_ids, emap, out, zero if zero is not None else w13_dec,
+        s, i, h, e, global_e, k, zero_numel, zero_chunk,
+        x.stride(0), w13_codes.stride(0), w13_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0),
+        ACTIVATION=activation, HAS_MAP=has_map, BY_EXPERT=rows < s, ZERO=zero is not None,
+        S_BLOCK=_route_block(s), FAST_DECODE=_fast_decode(x.device), EVEN_K=h % tile.block_k == 0,
+        GDC=_gdc_ok(x.device), **tile.kernel_kwargs(), num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return out
+
+
+def _check_down(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expert_map, check_ids, out,
+                tile: DecodeTile, kernel: str):
+    """The down launchers' checks; allocates ``out [T, H]`` (``inter.dtype``) if not given."""
+    import torch
+
+    from ..format.checks import ACT_DTYPES, check_tensor
+
+    check_tensor("inter", inter, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
+    w_sf, e, h, i = _check_bank("w2", w2_codes, w2_scales, w2_dec, None, inter.shape[1], inter.device)
+    t, k, global_e, emap, has_map = _check_routing(topk_ids, topk_weights, expert_map, e, None, check_ids,
+                                                   inter.device)
+    check_tensor("inter", inter, shape=[t * k, i], device=inter.device)
+    if out is None:
+        out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
+    check_tensor("out", out, dtype=inter.dtype, shape=[t, h], last_dim_contiguous=True, device=inter.device)
+    tile.check_rows(tile.block_n, kernel)
+    return w_sf, e, h, i, t, k, global_e, emap, has_map, out
+
+
+def moe_decode_down_token(
+    inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, *, tile: DecodeTile, expert_map=None, out=None,
+    check_ids: bool = False,
+):
+    """``out [T, H] = sum over slots of topk_weight * w2_dec[e] * (inter[route] @ w2[e]^T)`` in ``inter.dtype``:
+    token-major, fp32 sum in slot order (bit-identical run to run), no atomics, no zeroing."""
+    w_sf, e, h, i, t, k, global_e, emap, has_map, out = _check_down(
+        inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expert_map, check_ids, out, tile, "down_token")
+    if t == 0:
+        return out
+    grid = (t, triton.cdiv(h, tile.block_n))
+    w_desc, s_desc = _descriptors("w2", w2_codes, w_sf, 1, tile)
+    _moe_decode_down_token_kernel[grid](
+        inter, w2_codes, w_sf, w_desc, s_desc, w2_dec, topk_ids, emap, topk_weights, out,
+        t * k, h, i, e, global_e, k,
+        inter.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0),
+        HAS_MAP=has_map, TOPK_BLOCK=max(2, triton.next_power_of_2(k)), FAST_DECODE=_fast_decode(inter.device),
+        EVEN_K=i % tile.block_k == 0, PDL=tile.pdl and _gdc_ok(inter.device), **tile.kernel_kwargs(),
+        **tile.launch_kwargs(_gdc_ok(inter.device)),
+    )
+    return out
+
+
+def down_expert_workspace(t: int, top_k: int, h: int, tile: DecodeTile, deterministic: bool, device):
+    """The fp32 workspace :func:`moe_decode_down_expert` needs, 1-D: atomic mode, the ``[T, H]`` fp32 sums and
+    ``T * cdiv(H, tile.block_n)`` int32 tile counts (zero it, e.g. with ``moe_decode_gate_up(..., zero=ws)``);
+    deterministic, the per-route rows ``[T * top_k, H]`` (no zeroing)."""
+    import torch
+
+    return torch.empty(_workspace_numel(t, top_k, h, tile, deterministic), dtype=torch.float32, device=device)
+
+
+def _workspace_numel(t: int, top_k: int, h: int, tile: DecodeTile, deterministic: bool) -> int:
+    return t * top_k * h if deterministic else t * h + t * triton.cdiv(h, tile.block_n)
+
+
+def moe_decode_down_expert(
+    inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, workspace, *, tile: DecodeTile, expert_map=None,
+    deterministic: bool = False, out=None, check_ids: bool = False,
+):
+    """The down GEMM expert-major (each w2 block read once per call) with the top-k sum → ``out [T, H]``.
+
+    Atomic mode: fp32 atomics into the zeroed ``workspace`` (:func:`down_expert_workspace`; the gate_up kernel can
+    zero it: ``zero=workspace``), and the program completing a token's tile casts it into ``out``: one launch.
+    ``deterministic``: per-route fp32 rows, then a sum kernel in slot order (bit-identical run to run).
+    """
+    import torch
+
+    from ..format.checks import check_tensor
+
+    w_sf, e, h, i, t, k, global_e, emap, has_map, out = _check_down(
+        inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expert_map, check_ids, out, tile, "down_expert")
+    check_tensor("workspace", workspace, dtype=torch.float32, shape=[_workspace_numel(t, k, h, tile, deterministic)],
+                 device=inter.device)
+    if t == 0:
+        return out
+    ws = workspace if deterministic else workspace[: t * h]
+    counts = workspace.view(torch.int32) if deterministic else workspace[t * h:].view(torch.int32)
+    s = t * k
+    rows = min(s, e)
+    w_desc, s_desc = _descriptors("w2", w2_codes, w_sf, 1, tile)
+    _moe_decode_down_expert_kernel[(rows, triton.cdiv(h, tile.block_n))](
+        inter, w2_codes, w_sf, w_desc, s_desc, w2_dec, topk_ids, emap, topk_weights, ws, counts, out,
+        s, h, i, e, global_e, k,
+        inter.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0),
+        HAS_MAP=has_map, BY_EXPERT=rows < s, DETERMINISTIC=deterministic, S_BLOCK=_route_block(s),
+        TOPK_BLOCK=max(2, triton.next_power_of_2(k)), FAST_DECODE=_fast_decode(inter.device),
+        EVEN_K=i % tile.block_k == 0, PDL=tile.pdl and _gdc_ok(inter.device), **tile.kernel_kwargs(),
+        **tile.launch_kwargs(_gdc_ok(inter.device)),
+    )
+    if deterministic:
+        block_h = min(_SUM_BLOCK_H, triton.next_power_of_2(h))
+        _moe_decode_sum_kernel[(t, triton.cdiv(h, block_h))](
+            ws, topk_ids, emap, out, h, s, e, global_e, k, out.stride(0), HAS_MAP=has_map, BLOCK_H=block_h,
+            num_warps=4,
+        )
+    return out
+
+
+def moe_decode(
+    x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, *,
+    gate_up_tile: DecodeTile, down_tile: DecodeTile, down: str = "token", expert_map=None, activation: str = "silu",
+    deterministic: bool = False, out=None, check_ids: bool = False,
+):
+    """The whole decode MoE layer as the flow runs it: gate_up launcher → down launcher.
+
+    ``down``: ``"token"`` (token-major, bit-identical run to run whatever ``deterministic`` says) or ``"expert"``
+    (expert-major: fp32 atomics into a ``[T, H]`` buffer the gate_up kernel zeroes, or with ``deterministic``
+    per-route rows summed in slot order).  Tiles explicit; buffers sized from shapes.
+    """
+    from ..format.checks import check_tensor
+
+    if down not in ("token", "expert"):
+        raise ValueError(f"down: expected 'token' or 'expert', got {down!r}")
+    check_tensor("topk_ids", topk_ids, ndim=2)
+    check_tensor("w2_codes", w2_codes, ndim=3)
+    ws = None
+    if down == "expert":
+        ws = down_expert_workspace(x.shape[0], topk_ids.shape[1], w2_codes.shape[1], down_tile, deterministic,
+                                   x.device)
+    inter = moe_decode_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, tile=gate_up_tile, expert_map=expert_map,
+                               activation=activation, zero=ws if (ws is not None and not deterministic) else None,
+                               check_ids=check_ids)
+    if down == "token":
+        return moe_decode_down_token(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, tile=down_tile,
+                                     expert_map=expert_map, out=out)
+    return moe_decode_down_expert(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, ws, tile=down_tile,
+                                  expert_map=expert_map, deterministic=deterministic, out=out)
