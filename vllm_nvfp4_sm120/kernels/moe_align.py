@@ -27,6 +27,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from .moe_common import local_expert
 from .tile_order import grouped_coords
 
 # A chunk's ranks are computed SUB routes at a time with a [SUB, SUB] comparison.
@@ -61,16 +62,6 @@ MOE_SCATTER_DIVISIBLE = [k for k, v in MOE_SCATTER_SIGNATURE.items() if v.starts
 
 
 @triton.jit
-def _local_expert(topk_ids_ptr, expert_map_ptr, offs, R, E, GLOBAL_E, HAS_MAP: tl.constexpr):
-    """Local expert of each route in ``offs``; -1 for padding, another rank's expert, or an id out of range."""
-    ids = tl.load(topk_ids_ptr + offs, mask=offs < R, other=-1).to(tl.int32)
-    if HAS_MAP:
-        known = (ids >= 0) & (ids < GLOBAL_E)
-        ids = tl.load(expert_map_ptr + ids, mask=known, other=-1).to(tl.int32)
-    return tl.where((ids >= 0) & (ids < E), ids, -1)
-
-
-@triton.jit
 def _count_kernel(
     topk_ids_ptr, expert_map_ptr, rank_ptr, counts_ptr,
     R, E, GLOBAL_E, CHUNK,
@@ -86,7 +77,7 @@ def _count_kernel(
     i = tl.arange(0, SUB)
     for s0 in range(0, CHUNK, SUB):
         offs = c * CHUNK + s0 + i
-        ids = _local_expert(topk_ids_ptr, expert_map_ptr, offs, R, E, GLOBAL_E, HAS_MAP)
+        ids = local_expert(topk_ids_ptr, expert_map_ptr, offs, R, E, GLOBAL_E, HAS_MAP)
         valid = ids >= 0
         same = (ids[:, None] == ids[None, :]) & valid[:, None]
         before = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
@@ -136,7 +127,7 @@ def _scatter_kernel(
     pid = tl.program_id(0)
     if pid < num_route_tiles:
         offs = pid * ROUTES + tl.arange(0, ROUTES)
-        ids = _local_expert(topk_ids_ptr, expert_map_ptr, offs, R, E, GLOBAL_E, HAS_MAP)
+        ids = local_expert(topk_ids_ptr, expert_map_ptr, offs, R, E, GLOBAL_E, HAS_MAP)
         valid = ids >= 0
         chunk_off = tl.load(counts_ptr + (offs // CHUNK).to(tl.int64) * E + ids, mask=valid, other=0)
         pos = tl.load(starts_ptr + ids, mask=valid, other=0) + chunk_off

@@ -17,6 +17,16 @@ ALIGN_SIGNATURE = {"sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "num_padd
 
 
 @triton.jit
+def local_expert(topk_ids_ptr, expert_map_ptr, offs, R, E, GLOBAL_E, HAS_MAP: tl.constexpr):
+    """Local expert of each route in ``offs``; -1 for padding, another rank's expert, or an id out of range."""
+    ids = tl.load(topk_ids_ptr + offs, mask=offs < R, other=-1).to(tl.int32)
+    if HAS_MAP:
+        known = (ids >= 0) & (ids < GLOBAL_E)
+        ids = tl.load(expert_map_ptr + ids, mask=known, other=-1).to(tl.int32)
+    return tl.where((ids >= 0) & (ids < E), ids, -1)
+
+
+@triton.jit
 def gated_activation_f32(gate, up, ACTIVATION: tl.constexpr):
     """``act(gate) * up`` in fp32: SiLU, or GELU with the tanh approximation (tanh(y) = 1 - 2 / (e^2y + 1))."""
     if ACTIVATION == "silu":

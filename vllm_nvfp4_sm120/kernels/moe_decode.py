@@ -58,8 +58,7 @@ import triton
 import triton.language as tl
 
 from .fp4_decode import dequant_rows_16bit
-from .moe_align import _local_expert
-from .moe_w4a16 import gated_activation_f32
+from .moe_common import gated_activation_f32, local_expert
 
 # One program holds every route id of the call in a vector: T * top_k is bounded (decode sizes only).
 MAX_ROUTES = 1024
@@ -433,7 +432,7 @@ def _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E,
     up to and including it, and their count.  ``live`` is False for the programs that must do nothing: a slot that
     is not the first of its expert (or has none), an expert no route reaches."""
     offs = tl.arange(0, S_BLOCK)
-    ids = _local_expert(ids_ptr, map_ptr, offs, S, E, GLOBAL_E, HAS_MAP)
+    ids = local_expert(ids_ptr, map_ptr, offs, S, E, GLOBAL_E, HAS_MAP)
     if BY_EXPERT:
         e = row
         match = ids == e
@@ -587,7 +586,7 @@ def _moe_decode_down_token_kernel(
     pid_n = tl.program_id(1)
     slots = tl.arange(0, TOPK_BLOCK)
     routes = tl.where(slots < top_k, t * top_k + slots, S)
-    ids = _local_expert(ids_ptr, map_ptr, routes, S, E, GLOBAL_E, HAS_MAP)
+    ids = local_expert(ids_ptr, map_ptr, routes, S, E, GLOBAL_E, HAS_MAP)
     ok = ids >= 0
     # The slots with a local expert, compacted: the loop never touches another rank's (or no) expert.
     rank = tl.cumsum(ok.to(tl.int32), axis=0) - 1
@@ -636,7 +635,7 @@ def _local_slots(ids_ptr, map_ptr, tok, S, E, GLOBAL_E, top_k, HAS_MAP: tl.const
     """Per token of ``tok``: how many of its slots have a local expert."""
     slots = tl.arange(0, TOPK_BLOCK)
     routes = tl.where(slots[None, :] < top_k, tok[:, None] * top_k + slots[None, :], S)
-    ids = _local_expert(ids_ptr, map_ptr, routes, S, E, GLOBAL_E, HAS_MAP)
+    ids = local_expert(ids_ptr, map_ptr, routes, S, E, GLOBAL_E, HAS_MAP)
     return tl.sum((ids >= 0).to(tl.int32), axis=1)
 
 
@@ -714,7 +713,7 @@ def _moe_decode_sum_kernel(
     acc = tl.zeros((BLOCK_H,), tl.float32)
     for slot in range(top_k):
         r = t * top_k + slot
-        e = _local_expert(ids_ptr, map_ptr, r, S, E, GLOBAL_E, HAS_MAP)
+        e = local_expert(ids_ptr, map_ptr, r, S, E, GLOBAL_E, HAS_MAP)
         acc += tl.load(src_ptr + r * H + offs, mask=ok & (e >= 0), other=0.0)
     tl.store(dst_ptr + t * stride_dst + offs, acc.to(dst_ptr.dtype.element_ty), mask=ok)
 
