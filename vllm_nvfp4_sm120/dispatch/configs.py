@@ -98,6 +98,20 @@ def moe_bucket(global_experts: int, top_k: int, hidden: int, intermediate: int) 
     return f"E={global_experts},top_k={top_k},H={hidden},I={intermediate}"
 
 
+_SHORT = {"block_m": "m", "block_n": "n", "block_k": "k", "block_t": "t", "num_warps": "w", "num_stages": "s",
+          "group_m": "g", "rows_per_warp": "r", "swap_ab": "swap"}
+
+
+def choice_label(choice: dict) -> str:
+    """A row's choice in a table cell: ``w4a16_gemm k128 m64 n64 g8 s3 w4 swap0``, ``w4a16/gluon/bm64``."""
+    if "impl" in choice:
+        return f"{choice['kernel']}/{choice['impl']}/bm{choice['block_m']}"
+    tile = choice.get("tile", {})
+    parts = [f"{_SHORT.get(key, key + '=')}{int(v) if isinstance(v, bool) else v}" for key, v in sorted(tile.items())
+             if not (key == "block_m" and choice["kernel"] == "gluon_gemv_mma")]  # always one m16 tile
+    return " ".join([choice["kernel"], *parts])
+
+
 def config_dirs() -> tuple[tuple[str, Path], ...]:
     """``((source, folder), ...)`` in precedence order: the user folder (when set), then the package's.  The
     variable is read on every call, so a process (or a test) may set it before the first layer runs."""
@@ -456,3 +470,36 @@ def measured_moe_plan(cap: Capability, *, num_tokens: int, top_k: int, global_ex
         return None
     found = measured_row(cap, moe_family(w4a4), (global_experts, top_k, hidden, intermediate), num_tokens)
     return None if found is None else found[1].plan(cap)
+
+
+# ---- what env and inspect report -----------------------------------------------------------------------------------
+
+def bucket_rows(cap: Capability, family: str, bucket: tuple[int, ...]) -> list[tuple[ConfigFile, MeasuredRow]]:
+    """Every measured row for this bucket on ``cap``'s GPU, in precedence order (a later file's row serves only
+    the T that earlier files' rows leave uncovered)."""
+    return [(cf, row) for cf in files_for(cap, family) for row in cf.buckets.get(bucket, ())]
+
+
+def describe(cap: Capability | None) -> dict:
+    """The search folders, every config file in them (usable or why not, and whether it is for ``cap``'s GPU), and
+    the measured rows this GPU gets (``env``)."""
+    dirs = dict(config_dirs())
+    key = device_key(cap.device) if cap is not None and cap.device else None
+    files = []
+    for cf in scan():
+        mine = key is not None and cf.device == key
+        if mine and cf.error is None and cf.arch is not cap.family:
+            cf.error = f"measured on {cf.arch} (cc {cf.cc}), this GPU is {cap.family}"
+        files.append({"path": str(cf.path), "source": cf.source, "device": cf.device, "family": cf.family,
+                      "buckets": len(cf.buckets), "for_this_gpu": mine, "error": cf.error})
+    usable = []
+    if key is not None:
+        with warnings.catch_warnings():  # the files' problems are in the listing
+            warnings.simplefilter("ignore", MeasuredConfigWarning)
+            for family in sorted({f["family"] for f in files if f["for_this_gpu"] and f["error"] is None}):
+                usable += files_for(cap, family)
+    rows = [{"family": cf.family, "bucket": linear_bucket(*b) if len(b) == 2 else moe_bucket(*b), "t": r.t_range(),
+             "choice": choice_label(r.choice), "source": cf.source}
+            for cf in usable for b, bucket_rows_ in cf.buckets.items() for r in bucket_rows_]
+    return {"env": ENV_CONFIG_DIR, "user_dir": str(dirs["user"]) if "user" in dirs else None,
+            "shipped_dir": str(dirs["shipped"]), "device": key, "files": files, "rows": rows}
