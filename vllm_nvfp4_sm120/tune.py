@@ -480,7 +480,7 @@ def tune_plan(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--routes: {unknown} cannot be tuned; choose from {','.join(TUNE_ROUTES)}")
     linear: list[tuple[str, int, int]] = []
     moe: list[tuple[str, dict]] = []
-    schemes = {"W4A4", "W4A16"}
+    schemes = {"W4A16"}  # built-in shapes: the route every NVFP4 checkpoint can take (--routes adds triton)
     if args.checkpoint:
         from .inspect_ckpt import inspect_checkpoint
 

@@ -28,7 +28,8 @@ tables by its kernel and BLOCK_M, and the implementation (``dispatch.moe.tier_pl
 A file that cannot be used as a whole (bad JSON, an unknown key, another schema version, a kernel that no longer
 exists, a tile that is not one of its kernel's, rows that overlap, measured on another architecture than the GPU
 asking) gives one :class:`MeasuredConfigWarning` naming the file and the reason, and the built-in table serves.
-Files are read once per process (:func:`clear_cache` forgets them).
+Files are read once per process, at the first lookup for their device and family (:func:`clear_cache` forgets
+them, e.g. after changing ``$VLLM_NVFP4_SM120_CONFIG_DIR``).
 
 The validation reads the tables of ``linear.py`` and ``moe.py``, which call this module's lookups from their
 selectors: those modules are imported inside the functions here (once per file read, never per lookup).
@@ -113,13 +114,8 @@ def choice_label(choice: dict) -> str:
 
 
 def config_dirs() -> tuple[tuple[str, Path], ...]:
-    """``((source, folder), ...)`` in precedence order: the user folder (when set), then the package's.  The
-    variable is read on every call, so a process (or a test) may set it before the first layer runs."""
-    return _dirs(os.environ.get(ENV_CONFIG_DIR, "").strip())
-
-
-@functools.cache
-def _dirs(user: str) -> tuple[tuple[str, Path], ...]:
+    """``((source, folder), ...)`` in precedence order: the user folder (when set), then the package's."""
+    user = os.environ.get(ENV_CONFIG_DIR, "").strip()
     return ((("user", Path(user)),) if user else ()) + (("shipped", SHIPPED_DIR),)
 
 
@@ -233,11 +229,13 @@ def route_kernels(route: str) -> tuple[str, ...]:
 
 
 def kernel_max_t(kernel: str) -> int | None:
-    """The largest T a kernel serves in the dispatch (None: any): the decode kernels stop where the tables do."""
+    """The largest T a measured row may give a kernel (None: any).  The decode kernels run any T, in token blocks,
+    but re-read the weight per block: they stop at the largest mma token block (``GLUON_GEMV_MAX_T``, two blocks of
+    the Triton gemv), past the tables' decode rows, so a measurement can move that switch either way."""
     from . import linear as L
 
-    return {L.LinearKernel.W4A16_GEMV: L.W4A16_GEMV_MAX_T, L.LinearKernel.GLUON_GEMV_FMA: L.GLUON_GEMV_MAX_T,
-            L.LinearKernel.GLUON_GEMV_MMA: L.GLUON_GEMV_MAX_T}.get(L.LinearKernel(kernel))
+    decode = (L.LinearKernel.W4A16_GEMV, L.LinearKernel.GLUON_GEMV_FMA, L.LinearKernel.GLUON_GEMV_MMA)
+    return L.GLUON_GEMV_MAX_T if L.LinearKernel(kernel) in decode else None
 
 
 def linear_plan_at(cap: Capability, kernel: str, tile: dict, t: int, n: int, k: int):
@@ -416,10 +414,11 @@ def scan() -> list[ConfigFile]:
 
 
 @functools.cache
-def _files(dirs: tuple[tuple[str, Path], ...], device: str, family: str, arch: Family) -> tuple[ConfigFile, ...]:
-    """The usable files for (device, family) in precedence order; one warning per file that is not."""
+def _files(device: str, family: str, arch: Family) -> tuple[ConfigFile, ...]:
+    """The usable files for (device, family) in precedence order; one warning per file that is not.  Cached per
+    process: the folders are those of the first lookup (``clear_cache`` reads them again)."""
     usable = []
-    for source, folder in dirs:
+    for source, folder in config_dirs():
         path = folder / config_file_name(device, family)
         if not path.is_file():
             continue
@@ -442,7 +441,7 @@ def clear_cache() -> None:
 def files_for(cap: Capability, family: str) -> tuple[ConfigFile, ...]:
     if cap.device is None:
         return ()
-    return _files(config_dirs(), device_key(cap.device), family, cap.family)
+    return _files(cap.device, family, cap.family)
 
 
 def measured_row(cap: Capability, family: str, bucket: tuple[int, ...], t: int) -> tuple[ConfigFile, MeasuredRow] | None:
