@@ -505,8 +505,11 @@ def tune_plan(args: argparse.Namespace) -> Plan:
             if n < 1 or k < 16 or k % 16:
                 raise ValueError(f"--shapes: {s}: N >= 1 and K a multiple of 16 expected")
             linear.append(("", n, k))
-    if args.models and not args.checkpoint and not args.shapes:
-        for model in args.models.split(","):
+    models = args.models
+    if models is None and not (args.checkpoint or args.shapes or args.moe_models):
+        models = ",".join(MODELS)  # nothing named: the built-in linear shapes
+    if models:
+        for model in models.split(","):
             if model not in MODELS:
                 raise ValueError(f"--models: unknown {model!r}; built in: {', '.join(MODELS)}")
             linear += [(f"{model} {layer}", n, k) for layer, n, k in MODELS[model]]
@@ -626,8 +629,8 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
     from .bench import MODELS
 
     p.add_argument("--checkpoint", metavar="DIR", help="tune the linear and MoE shapes of this checkpoint")
-    p.add_argument("--models", default=",".join(MODELS),
-                   help=f"built-in linear shape lists when no --checkpoint / --shapes: {', '.join(MODELS)}")
+    p.add_argument("--models", help=f"built-in linear shape lists ({', '.join(MODELS)}; all of them when no other "
+                                    "shapes are named)")
     p.add_argument("--shapes", help="linear shapes NxK, comma separated (e.g. 10240x5120,8192x8192)")
     p.add_argument("--moe-models", default="", help="built-in MoE layer shapes (e.g. qwen3-30b-a3b); none by default")
     p.add_argument("--routes", help=f"linear routes to tune ({','.join(TUNE_ROUTES)}); default: the checkpoint's "
