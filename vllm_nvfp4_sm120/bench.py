@@ -281,11 +281,12 @@ MOE_TOKENS = (16, 64, 256, 1024, 4096, 8192)
 
 
 def gpu_nvfp4(shape, gen: torch.Generator) -> NvFp4:
-    """Random codes and e4m3 scales drawn on the GPU (GBs of expert weights; the CPU generator is too slow)."""
+    """Random codes and e4m3 scales drawn on ``gen``'s device, the GPU for GBs of expert weights (drawing them on
+    the CPU is too slow)."""
     *lead, k = shape
-    codes = torch.randint(0, 256, (*lead, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
-    exp = torch.randint(-3, 2, (*lead, k // 16), device="cuda", generator=gen).float()
-    mant = torch.randint(0, 8, (*lead, k // 16), device="cuda", generator=gen).float()
+    codes = torch.randint(0, 256, (*lead, k // 2), dtype=torch.uint8, device=gen.device, generator=gen)
+    exp = torch.randint(-3, 2, (*lead, k // 16), device=gen.device, generator=gen).float()
+    mant = torch.randint(0, 8, (*lead, k // 16), device=gen.device, generator=gen).float()
     return NvFp4(codes, (torch.exp2(exp) * (1 + mant / 8)).to(torch.float8_e4m3fn))
 
 

@@ -51,6 +51,8 @@ MIN_GAIN = 0.03
 # of the output (2^-9 relative) and summation order; a wrong tile or kernel is off by O(1).
 REL_TOL = 1e-2
 DECODE_KERNELS = (LinearKernel.W4A16_GEMV, LinearKernel.GLUON_GEMV_FMA, LinearKernel.GLUON_GEMV_MMA)
+
+
 def linear_choice(plan) -> dict:
     """What a config row records of a linear plan: the kernel and its tile, without the derived parameters."""
     return {"kernel": str(plan.kernel), "tile": {k: v for k, v in plan.params if k not in configs.DERIVED_PARAMS}}
@@ -262,9 +264,13 @@ def write_configs(out_dir: Path, cap: Capability, outcomes: list[Outcome], measu
     written = []
     for family, buckets in by_family.items():
         path = out_dir / configs.config_file_name(cap.device, family)
-        old = json.loads(path.read_text()).get("buckets", {}) if path.is_file() and \
-            configs.load_file(path).error is None else {}
-        new = {name: rows for name, os_ in buckets.items() if (rows := compose_rows(os_))}
+        old = {}
+        if path.is_file():
+            if (existing := configs.load_file(path)).error is None:
+                old = json.loads(path.read_text())["buckets"]
+            else:
+                print(f"note: {path} is replaced, not merged ({existing.error})", file=sys.stderr)
+        new = {name: rows for name, outs in buckets.items() if (rows := compose_rows(outs))}
         if not new:
             continue
         path.write_text(json.dumps(config_document(cap.device, family, cap, {**old, **new}, measured), indent=1) + "\n")
@@ -345,109 +351,122 @@ def _rel_err(out, ref) -> float:
     return float(torch.linalg.vector_norm(out.float() - ref32) / torch.linalg.vector_norm(ref32).clamp_min(1e-30))
 
 
-def _measure(o: Outcome, run_once: Callable[[object], object], timed: Callable[[object], Callable[[], object]],
-             calls: int, ref_of: Callable[[Candidate], object], repeats: int, bar) -> None:
-    """Check every candidate of a point against its reference, time the ones that pass, pick the winner."""
+def _measure(p: Point, run_once: Callable[[object], object], timed: Callable[[object], Callable[[], object]],
+             calls: int, ref_of: Callable[[Candidate], object], *, repeats: int, min_gain: float, bar) -> Outcome:
+    """Check every candidate of a point against its reference, time the ones that pass (``calls`` kernel calls per
+    timed run), pick the winner."""
     import torch
 
-    from .bench import time_graph
+    from . import bench
 
-    for c in o.point.candidates:
-        bar.set_postfix_str(f"{o.point.bucket_name} T={o.point.t} {c.label}"[:60])
+    o = Outcome(p)
+    for c in p.candidates:
+        bar.set_postfix_str(f"{p.bucket_name} T={p.t} {c.label}"[:60])
         try:
             err = _rel_err(run_once(c.plan), ref_of(c))
             if not math.isfinite(err) or err > REL_TOL:
                 o.failed[c.label] = f"wrong result (relative error {err:.3g} > {REL_TOL})"
             else:
-                o.us[c.label] = time_graph(timed(c.plan), repeats=repeats) / calls * 1e6
+                o.us[c.label] = bench.time_graph(timed(c.plan), repeats=repeats) / calls * 1e6
         except Exception as e:  # a candidate that cannot run here (compile, resources, vendor) is left out
             o.failed[c.label] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
         bar.update(1)
+    o.winner, o.verdict = pick_winner(p, o.us, min_gain)
+    return o
 
 
-def time_linear(points: list[Point], *, min_bytes: float, repeats: int, min_gain: float, bar) -> list[Outcome]:
-    """Time the points of one ``[N, K]`` shape (all routes): one weight, replicated beyond L2."""
+def time_linear(points: list[Point], *, min_bytes: float, repeats: int, min_gain: float, bar,
+                device: str = "cuda") -> list[Outcome]:
+    """Time the points of one ``[N, K]`` shape (all its routes) on one weight, replicated to ``min_bytes``."""
+    import torch
+
+    from .format import GlobalScale, NvFp4, random_nvfp4
+
+    n, k = points[0].bucket
+    base = random_nvfp4((n, k), gen=torch.Generator().manual_seed(0), device=device)
+    copies = max(1, math.ceil(min_bytes / (n * k // 2 + n * k // 16)))
+    ws = [base] + [NvFp4(base.codes.clone(), base.scales.clone()) for _ in range(copies - 1)]
+    w_gs = GlobalScale.from_decode(torch.tensor(0.01, device=device))
+    outcomes = [_linear_point(p, ws, w_gs, repeats=repeats, min_gain=min_gain, bar=bar) for p in points]
+    del ws, base
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return outcomes
+
+
+def _linear_point(p: Point, ws: list, w_gs, **how) -> Outcome:
     import torch
 
     from .dispatch.registry import LINEAR_KERNELS
-    from .format import GlobalScale, NvFp4, linear_w4a4_ref, linear_w4a16_ref, random_nvfp4
+    from .format import GlobalScale, linear_w4a4_ref, linear_w4a16_ref
 
-    n, k = points[0].bucket
-    gen = torch.Generator().manual_seed(0)
-    base = random_nvfp4((n, k), gen=gen, device="cuda")
-    copies = max(1, math.ceil(min_bytes / (n * k // 2 + n * k // 16)))
-    ws = [base] + [NvFp4(base.codes.clone(), base.scales.clone()) for _ in range(copies - 1)]
-    w_gs = GlobalScale.from_decode(torch.tensor(0.01, device="cuda"))
+    (n, k), base, device = p.bucket, ws[0], ws[0].codes.device
     dec_rows = w_gs.dec.expand(n).contiguous()
-    outcomes = []
-    for p in points:
-        x = torch.randn(p.t, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(p.t)).to(
-            torch.bfloat16)
-        in_gs = GlobalScale.of(x)
-        in_enc, alpha = in_gs.enc, (in_gs.dec * w_gs.dec).to(torch.float32)
-        refs = {}
+    x = torch.randn(p.t, k, generator=torch.Generator().manual_seed(p.t)).to(device, torch.bfloat16)
+    in_gs = GlobalScale.of(x)
+    in_enc, alpha = in_gs.enc, (in_gs.dec * w_gs.dec).to(torch.float32)
+    refs = {}
 
-        def ref_of(c: Candidate):
-            w4a4 = LinearKernel(c.plan.kernel).w4a4
-            if w4a4 not in refs:
-                refs[w4a4] = (linear_w4a4_ref(x, base.codes, base.scales, w_gs, in_gs) if w4a4
-                              else linear_w4a16_ref(x, base.codes, base.scales, dec_rows))
-            return refs[w4a4]
+    def ref_of(c: Candidate):
+        w4a4 = LinearKernel(c.plan.kernel).w4a4
+        if w4a4 not in refs:
+            refs[w4a4] = (linear_w4a4_ref(x, base.codes, base.scales, w_gs, in_gs) if w4a4
+                          else linear_w4a16_ref(x, base.codes, base.scales, dec_rows))
+        return refs[w4a4]
 
-        def call(plan, w):
-            return LINEAR_KERNELS[plan.kernel](x, w.codes, w.scales, dec_rows, None, in_enc, alpha, None, **plan.kwargs)
+    def call(plan, w):
+        return LINEAR_KERNELS[plan.kernel](x, w.codes, w.scales, dec_rows, None, in_enc, alpha, None, **plan.kwargs)
 
-        o = Outcome(p)
-        _measure(o, lambda plan: call(plan, base), lambda plan: lambda: [call(plan, w) for w in ws], copies, ref_of,
-                 repeats, bar)
-        o.winner, o.verdict = pick_winner(p, o.us, min_gain)
-        outcomes.append(o)
-        del refs
-    del ws, base
-    torch.cuda.empty_cache()
-    return outcomes
+    return _measure(p, lambda plan: call(plan, base), lambda plan: lambda: [call(plan, w) for w in ws], len(ws),
+                    ref_of, **how)
 
 
-def time_moe(points: list[Point], *, repeats: int, min_gain: float, bar) -> list[Outcome]:
-    """Time the points of one MoE layer shape: the whole layer flow (align, GEMMs, activation, top-k sum)."""
+def time_moe(points: list[Point], *, repeats: int, min_gain: float, bar, device: str = "cuda") -> list[Outcome]:
+    """Time the points of one MoE layer shape (both checkpoint kinds): the whole layer flow (align, GEMMs,
+    activation, top-k sum), one expert bank."""
     import torch
 
     from .bench import gpu_nvfp4
+
+    e, top_k, h, i = points[0].bucket
+    gen = torch.Generator(device=device).manual_seed(0)
+    w13, w2 = gpu_nvfp4((e, 2 * i, h), gen), gpu_nvfp4((e, h, i), gen)
+    decs = torch.full((e,), 0.01, device=device), torch.full((e,), 0.01, device=device)
+    outcomes = [_moe_point(p, w13, w2, decs, gen, repeats=repeats, min_gain=min_gain, bar=bar) for p in points]
+    del w13, w2
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return outcomes
+
+
+def _moe_point(p: Point, w13, w2, decs, gen, **how) -> Outcome:
+    import torch
+
     from .dispatch.moe_flow import nvfp4_moe
     from .format import GlobalScale, moe_ref
 
-    e, top_k, h, i = points[0].bucket
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    w13, w2 = gpu_nvfp4((e, 2 * i, h), gen), gpu_nvfp4((e, h, i), gen)
-    d13, d2 = torch.full((e,), 0.01, device="cuda"), torch.full((e,), 0.01, device="cuda")
-    outcomes = []
-    for p in points:
-        x = torch.randn(p.t, h, device="cuda", generator=gen).to(torch.bfloat16)
-        tw, ti = torch.softmax(torch.randn(p.t, e, device="cuda", generator=gen), -1).topk(top_k, -1)
-        tw, ti = (tw / tw.sum(-1, keepdim=True)).float(), ti.to(torch.int32)
-        a13, a2 = GlobalScale.of(x), GlobalScale.from_amax(24.0).to("cuda")
-        w4a4 = p.family == configs.moe_family(True)  # the layer has activation scales: both kernels may run
-        scales = dict(a13_enc=a13.enc.reshape(1), a2_enc=a2.enc.reshape(1)) if w4a4 else {}
-        refs = {}
+    (e, top_k, h, _), device, (d13, d2) = p.bucket, w13.codes.device, decs
+    x = torch.randn(p.t, h, device=device, generator=gen).to(torch.bfloat16)
+    tw, ti = torch.softmax(torch.randn(p.t, e, device=device, generator=gen), -1).topk(top_k, -1)
+    tw, ti = (tw / tw.sum(-1, keepdim=True)).float(), ti.to(torch.int32)
+    a13, a2 = GlobalScale.of(x), GlobalScale.from_amax(24.0).to(device)
+    # A W4A4 checkpoint's layer has activation scales: both kernels may run it.
+    scales = dict(a13_enc=a13.enc.reshape(1), a2_enc=a2.enc.reshape(1)) if p.family == configs.moe_family(True) else {}
+    refs = {}
 
-        def ref_of(c: Candidate):
-            quantized = c.plan.kernel == MoeKernel.W4A4
-            if quantized not in refs:
-                refs[quantized] = moe_ref(x, w13, d13, w2, d2, tw, ti, a13_gs=a13 if quantized else None,
-                                          a2_gs=a2 if quantized else None)
-            return refs[quantized]
+    def ref_of(c: Candidate):
+        quantized = c.plan.kernel == MoeKernel.W4A4
+        if quantized not in refs:
+            refs[quantized] = moe_ref(x, w13, d13, w2, d2, tw, ti, a13_gs=a13 if quantized else None,
+                                      a2_gs=a2 if quantized else None)
+        return refs[quantized]
 
-        def call(plan):
-            return nvfp4_moe(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, plan=plan, **scales)
+    def call(plan):
+        return nvfp4_moe(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, plan=plan, **scales)
 
-        o = Outcome(p)
-        _measure(o, call, lambda plan: lambda: call(plan), 1, ref_of, repeats, bar)
-        o.winner, o.verdict = pick_winner(p, o.us, min_gain)
-        outcomes.append(o)
-    del w13, w2
-    torch.cuda.empty_cache()
-    return outcomes
+    return _measure(p, call, lambda plan: lambda: call(plan), 1, ref_of, **how)
 
 
 # ---- the command ---------------------------------------------------------------------------------------------------

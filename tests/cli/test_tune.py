@@ -257,3 +257,74 @@ def test_tune_on_the_gpu_writes_what_the_dispatch_uses(capsys, user_dir):
     for t in (2, 17):
         row = cf.rows((2048, 1024), t)
         assert row is not None and select_linear(cap, "w4a16", t, 2048, 1024) == row.plan(cap, t, 2048, 1024)
+
+
+# ---- the timing layer's plumbing, on CPU (kernels and timer faked at their boundaries) -----------------------------
+
+class _Bar:
+    def set_postfix_str(self, s):
+        pass
+
+    def update(self, k=1):
+        pass
+
+
+def test_time_linear_checks_then_times_each_candidate(monkeypatch):
+    from vllm_nvfp4_sm120 import bench
+    from vllm_nvfp4_sm120.dispatch import registry
+    from vllm_nvfp4_sm120.format import linear_w4a16_ref
+
+    spent = []
+
+    def fake(kernel, cost):
+        def run(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias, **tile):
+            if tile.get("block_m") == 64:
+                raise RuntimeError("out of resources: shared memory\nsecond line")
+            spent.append(cost)
+            ref = linear_w4a16_ref(x, w_codes, w_scales, w_dec_rows)
+            return ref * 1.5 if tile.get("block_n") == 256 else ref  # the Hopper tile computes garbage here
+        return run
+
+    monkeypatch.setitem(registry.LINEAR_KERNELS, "w4a16_gemm", fake("w4a16_gemm", 2.0))
+    monkeypatch.setitem(registry.LINEAR_KERNELS, "w4a16_dequant_mm", fake("w4a16_dequant_mm", 1.0))
+
+    def time_graph(fn, repeats):
+        spent.clear()
+        fn()
+        return sum(spent) * 1e-6  # seconds of one run of all copies
+
+    monkeypatch.setattr(bench, "time_graph", time_graph)
+    points = tune.linear_points(H200, "w4a16", 64, 128, tokens=[160])
+    min_bytes = 3 * (64 * 128 // 2 + 64 * 128 // 16)  # three weight copies per timed run
+    [o] = tune.time_linear(points, min_bytes=min_bytes, repeats=3, min_gain=0.03, bar=_Bar(), device="cpu")
+    assert o.us == {"w4a16_gemm k128 m128 n128 g8 s3 w8 swap0": pytest.approx(2.0),
+                    "w4a16_dequant_mm": pytest.approx(1.0)}  # per call: the run's time over its three calls
+    assert o.failed["w4a16_gemm k128 m64 n64 g8 s3 w4 swap0"] == "RuntimeError: out of resources: shared memory"
+    assert o.failed["w4a16_gemm k64 m128 n256 g8 s4 w8 swap1"].startswith("wrong result (relative error 0.5")
+    assert o.winner.choice == {"kernel": "w4a16_dequant_mm", "tile": {}} and o.verdict == "built-in is fastest"
+
+
+def test_time_moe_passes_the_scales_of_a_w4a4_layer(monkeypatch):
+    from vllm_nvfp4_sm120.dispatch import moe_flow
+    from vllm_nvfp4_sm120.format import GlobalScale, NvFp4, moe_ref
+
+    seen = []
+
+    def fake_moe(x, w13c, w13s, d13, w2c, w2s, d2, tw, ti, *, plan, a13_enc=None, a2_enc=None):
+        seen.append((plan.kernel, a13_enc is not None))
+        gs = (GlobalScale.from_encode(a13_enc), GlobalScale.from_encode(a2_enc)) if plan.kernel == "w4a4" else (None,
+                                                                                                               None)
+        return moe_ref(x, NvFp4(w13c, w13s), d13, NvFp4(w2c, w2s), d2, tw, ti, a13_gs=gs[0], a2_gs=gs[1])
+
+    monkeypatch.setattr(moe_flow, "nvfp4_moe", fake_moe)
+    monkeypatch.setattr(tune, "_rel_err", lambda out, ref: 0.0 if torch.equal(out, ref) else 1.0)
+    from vllm_nvfp4_sm120 import bench
+
+    monkeypatch.setattr(bench, "time_graph", lambda fn, repeats: 1e-6)
+    shape = dict(global_experts=4, top_k=2, hidden=128, intermediate=64)
+    points = tune.moe_points(RTX, w4a4=True, tokens=[8], **shape) + tune.moe_points(RTX, w4a4=False, tokens=[8],
+                                                                                    **shape)
+    outcomes = tune.time_moe(points, repeats=1, min_gain=0.03, bar=_Bar(), device="cpu")
+    assert all(not o.failed and o.winner is not None for o in outcomes), [o.failed for o in outcomes]
+    assert ("w4a4", True) in seen and ("w4a16", True) in seen and ("w4a16", False) in seen
+    assert ("w4a4", False) not in seen
