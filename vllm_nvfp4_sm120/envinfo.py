@@ -298,5 +298,6 @@ def measured_lines(mc: dict) -> list[str]:
     else:
         lines.append(f"  rows from measured files on this GPU ({mc['device']}; every other shape and T: the built-in "
                      "tables):")
-        lines += [f"    {r['family']:13} {r['bucket']:28} {r['t']:14} {r['choice']}  [{r['source']}]" for r in mc["rows"]]
+        lines += [f"    {r['family']:13} {r['bucket']:28} {r['t']:14} {r['choice']}  [{r['source']}]"
+                  for r in mc["rows"]]
     return lines

@@ -517,7 +517,8 @@ def _measured(cap: Capability, dense: list[str], shapes: list[tuple[str, int, in
     for scheme in moe_schemes if moe is not None else ():
         bucket = (moe["experts"], moe["top_k"], moe["hidden"], moe["intermediate"])
         found = configs.bucket_rows(cap, configs.moe_family(scheme == W4A4), bucket)
-        layers.append(dict(layer=f"{scheme} MoE {configs.moe_bucket(*bucket)}", route="moe", rows=_measured_rows(found)))
+        layers.append(dict(layer=f"{scheme} MoE {configs.moe_bucket(*bucket)}", route="moe",
+                           rows=_measured_rows(found)))
     return {"gpu": cap.device, "layers": layers}
 
 

@@ -237,13 +237,13 @@ def compose_rows(outcomes: list[Outcome]) -> list[dict]:
         timing = {f"T={o.point.t} {label}": round(v, 2) for label, v in o.us.items()}
         mergeable = last is not None and last.winner.choice == o.winner.choice and (
             o.point.t == last.point.t + 1 or o.point.segment == last.point.segment)
+        why = f"T = {o.point.t}: {o.verdict}" if o.verdict else f"T = {o.point.t}"
         if mergeable:
             rows[-1]["max_t"] = o.point.t
             rows[-1]["us"].update(timing)
-            rows[-1]["why"] += f", {o.point.t}"
+            rows[-1]["why"] += f"; {why}"
         else:
-            rows.append({"min_t": o.point.t, "max_t": o.point.t, **o.winner.choice, "us": timing,
-                         "why": f"measured at T = {o.point.t}"})
+            rows.append({"min_t": o.point.t, "max_t": o.point.t, **o.winner.choice, "us": timing, "why": why})
         last = o
     return rows
 
@@ -298,7 +298,8 @@ def dispatch_check(path: Path, cap: Capability, outcomes: list[Outcome]) -> list
 # ---- reports (pure) ------------------------------------------------------------------------------------------------
 
 def format_summary(outcomes: list[Outcome], header: str) -> str:
-    lines = [header, f"{'family':13} {'shape':26} {'T':>5}  {'built-in':40} {'us':>8}  {'winner':40} {'us':>8}  verdict"]
+    lines = [header, f"{'family':13} {'shape':26} {'T':>5}  {'built-in':40} {'us':>8}  {'winner':40} {'us':>8}  "
+                     "verdict"]
     for o in outcomes:
         p = o.point
         b = next((c for c in p.candidates if c.choice == p.builtin), None)
@@ -370,7 +371,7 @@ def _measure(p: Point, run_once: Callable[[object], object], timed: Callable[[ob
                 o.us[c.label] = bench.time_graph(timed(c.plan), repeats=repeats) / calls * 1e6
         except Exception as e:  # a candidate that cannot run here (compile, resources, vendor) is left out
             o.failed[c.label] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
-            if torch.cuda.is_available():
+            if torch.cuda.is_initialized():  # let a failed launch surface here, not at the next candidate
                 torch.cuda.synchronize()
         bar.update(1)
     o.winner, o.verdict = pick_winner(p, o.us, min_gain)
@@ -391,7 +392,7 @@ def time_linear(points: list[Point], *, min_bytes: float, repeats: int, min_gain
     w_gs = GlobalScale.from_decode(torch.tensor(0.01, device=device))
     outcomes = [_linear_point(p, ws, w_gs, repeats=repeats, min_gain=min_gain, bar=bar) for p in points]
     del ws, base
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
     return outcomes
 
@@ -436,7 +437,7 @@ def time_moe(points: list[Point], *, repeats: int, min_gain: float, bar, device:
     decs = torch.full((e,), 0.01, device=device), torch.full((e,), 0.01, device=device)
     outcomes = [_moe_point(p, w13, w2, decs, gen, repeats=repeats, min_gain=min_gain, bar=bar) for p in points]
     del w13, w2
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
     return outcomes
 

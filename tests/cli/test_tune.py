@@ -142,7 +142,7 @@ def test_rows_merge_only_neighbours_or_one_segment():
     rows = tune.compose_rows(outcomes)
     # 1-2: neighbours; 2-4: one segment; 4 | 8 differ: the gap stays built-in; 8 | 16: other segments, not neighbours.
     assert [(r["min_t"], r["max_t"], r["tile"]["x"]) for r in rows] == [(1, 4, 0), (8, 8, 1), (16, 16, 1), (32, 32, 1)]
-    assert rows[0]["why"] == "measured at T = 1, 2, 4" and "T=4 w4a16_dequant_mm x=0" in rows[0]["us"]
+    assert rows[0]["why"] == "T = 1; T = 2; T = 4" and "T=4 w4a16_dequant_mm x=0" in rows[0]["us"]
     assert tune.compose_rows([tune.Outcome(_point(1, [0]))]) == []  # no winner, no row
 
 
@@ -269,24 +269,29 @@ class _Bar:
         pass
 
 
-def test_time_linear_checks_then_times_each_candidate(monkeypatch):
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    """Every linear kernel replaced by the reference at the registry, at a cost in microseconds per call that
+    ``bench.time_graph`` reports: ``costs[kernel]`` (a number or a function of T; default 5), the 128 x 128 GEMM tile
+    raising, the 128 x 256 one computing garbage."""
     from vllm_nvfp4_sm120 import bench
     from vllm_nvfp4_sm120.dispatch import registry
     from vllm_nvfp4_sm120.format import linear_w4a16_ref
 
-    spent = []
+    costs, spent = {}, []
 
-    def fake(kernel, cost):
+    def fake(kernel):
         def run(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias, **tile):
-            if tile.get("block_m") == 64:
+            if tile.get("block_n") == 128 and tile.get("block_m") == 128:
                 raise RuntimeError("out of resources: shared memory\nsecond line")
-            spent.append(cost)
+            cost = costs.get(kernel, 5.0)
+            spent.append(cost(x.shape[0]) if callable(cost) else cost)
             ref = linear_w4a16_ref(x, w_codes, w_scales, w_dec_rows)
-            return ref * 1.5 if tile.get("block_n") == 256 else ref  # the Hopper tile computes garbage here
+            return ref * 1.5 if tile.get("block_n") == 256 else ref
         return run
 
-    monkeypatch.setitem(registry.LINEAR_KERNELS, "w4a16_gemm", fake("w4a16_gemm", 2.0))
-    monkeypatch.setitem(registry.LINEAR_KERNELS, "w4a16_dequant_mm", fake("w4a16_dequant_mm", 1.0))
+    for kernel in list(registry.LINEAR_KERNELS):
+        monkeypatch.setitem(registry.LINEAR_KERNELS, kernel, fake(kernel))
 
     def time_graph(fn, repeats):
         spent.clear()
@@ -294,14 +299,46 @@ def test_time_linear_checks_then_times_each_candidate(monkeypatch):
         return sum(spent) * 1e-6  # seconds of one run of all copies
 
     monkeypatch.setattr(bench, "time_graph", time_graph)
+    return costs
+
+
+def test_time_linear_checks_then_times_each_candidate(fake_kernels):
+    fake_kernels.update(w4a16_gemm=2.0, w4a16_dequant_mm=1.0)
     points = tune.linear_points(H200, "w4a16", 64, 128, tokens=[160])
     min_bytes = 3 * (64 * 128 // 2 + 64 * 128 // 16)  # three weight copies per timed run
     [o] = tune.time_linear(points, min_bytes=min_bytes, repeats=3, min_gain=0.03, bar=_Bar(), device="cpu")
-    assert o.us == {"w4a16_gemm k128 m128 n128 g8 s3 w8 swap0": pytest.approx(2.0),
+    assert o.us == {"w4a16_gemm k128 m64 n64 g8 s3 w4 swap0": pytest.approx(2.0),
                     "w4a16_dequant_mm": pytest.approx(1.0)}  # per call: the run's time over its three calls
-    assert o.failed["w4a16_gemm k128 m64 n64 g8 s3 w4 swap0"] == "RuntimeError: out of resources: shared memory"
+    assert o.failed["w4a16_gemm k128 m128 n128 g8 s3 w8 swap0"] == "RuntimeError: out of resources: shared memory"
     assert o.failed["w4a16_gemm k64 m128 n256 g8 s4 w8 swap1"].startswith("wrong result (relative error 0.5")
     assert o.winner.choice == {"kernel": "w4a16_dequant_mm", "tile": {}} and o.verdict == "built-in is fastest"
+
+
+def test_the_tune_command_writes_what_the_dispatch_reads(fake_kernels, monkeypatch, capsys, user_dir):
+    """The whole command on a GPU faked at torch's boundary: summary, files, the dispatch check, JSON."""
+    from vllm_nvfp4_sm120.dispatch import hw
+
+    # T = 2: the CUDA-core gemv 3 us against 5 us; T = 159 / 160: the GEMM faster below 160, dequant + cuBLAS from it.
+    fake_kernels.update(gluon_gemv_fma=3.0, w4a16_gemm=lambda t: 3.0 if t < 160 else 5.0, w4a16_dequant_mm=4.0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(hw, "capability_of", lambda device: H200)
+    time_linear = tune.time_linear
+    monkeypatch.setattr(tune, "time_linear", lambda points, **kw: time_linear(points, device="cpu", **kw))
+    code, out, err = run(capsys, "tune", "--shapes", "64x128", "--tokens", "2,159,160", "--out", user_dir,
+                         "--min-bytes", "1", "--repeats", "1", "--json", user_dir / "tune.json")
+    assert code == 0, out + err
+    assert "DISPATCH CHECK FAILED" not in out
+    path = user_dir / "device_name=NVIDIA_Test_GPU,family=linear_w4a16.json"
+    assert f"written: {path}" in out
+    assert "moved: 1.67x faster than built-in" in out
+    assert "built-in switch at T = 160 (w4a16_gemm k128 m64 n64 g8 s3 w4 swap0 -> w4a16_dequant_mm): kept" in out
+    configs.clear_cache()
+    assert select_linear(H200, "w4a16", 2, 64, 128).kernel == "gluon_gemv_fma"
+    assert table_linear(H200, "w4a16", 2, 64, 128).kernel == "gluon_gemv_mma"
+    assert select_linear(H200, "w4a16", 159, 64, 128).kernel == "w4a16_gemm"
+    assert select_linear(H200, "w4a16", 160, 64, 128).kernel == "w4a16_dequant_mm"
+    report = json.loads((user_dir / "tune.json").read_text())
+    assert [o["t"] for o in report["outcomes"]] == [2, 159, 160] and report["written"] == [str(path)]
 
 
 def test_time_moe_passes_the_scales_of_a_w4a4_layer(monkeypatch):

@@ -97,9 +97,10 @@ def test_a_measured_row_replaces_the_table_where_it_covers(folders):
     plan = select_linear(H200, "w4a16", 170, N, K)
     assert plan == LinearPlan("w4a16_gemm", tuple(sorted(GEMM_MID.items())))
     # Not covered: other T, other shapes, other routes, a GPU without a name, another device name.
+    unnamed, other = Capability(90, 132), Capability(90, 132, "NVIDIA Other")
     for t, n, k, route, cap in [(1, N, K, "w4a16", H200), (9, N, K, "w4a16", H200), (201, N, K, "w4a16", H200),
-                                (4, N, 8192, "w4a16", H200), (4, N, K, "triton", H200), (4, N, K, "w4a16", Capability(90, 132)),
-                                (4, N, K, "w4a16", Capability(90, 132, "NVIDIA Other"))]:
+                                (4, N, 8192, "w4a16", H200), (4, N, K, "triton", H200), (4, N, K, "w4a16", unnamed),
+                                (4, N, K, "w4a16", other)]:
         assert select_linear(cap, route, t, n, k) == table_linear(cap, route, t, n, k), (t, n, k, route, cap)
 
 

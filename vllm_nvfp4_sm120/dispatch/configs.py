@@ -3,11 +3,12 @@
 The built-in tables (``dispatch/linear.py``, ``dispatch/moe.py``) are the documented default; a measured config
 replaces their choice only where it has a row, the way vLLM ships tuned fused-MoE configs per device.
 
-Files.  One JSON file per (device, kernel family), named like vLLM's: ``device_name=NVIDIA_H200,family=linear_w4a16.json``
-(the CUDA device name with every character outside ``[A-Za-z0-9_.-]`` replaced by ``_``).  Families: ``linear_<route>``
-(one per ``Route``) and ``moe_w4a16`` / ``moe_w4a4`` (the MoE layers of W4A16 / W4A4 checkpoints).  They are read
-from the user folder ``$VLLM_NVFP4_SM120_CONFIG_DIR`` and from the package's ``configs/`` folder; for each call the
-first file with a row for its shape and T serves (user folder first), else the built-in table.
+Files.  One JSON file per (device, kernel family), named like vLLM's tuned MoE configs:
+``device_name=NVIDIA_H200,family=linear_w4a16.json`` (the CUDA device name, every character outside
+``[A-Za-z0-9_.-]`` replaced by ``_``).  Families: ``linear_<route>`` (one per ``Route``) and ``moe_w4a16`` /
+``moe_w4a4`` (the MoE layers of W4A16 / W4A4 checkpoints).  They are read from the user folder
+``$VLLM_NVFP4_SM120_CONFIG_DIR`` and from the package's ``configs/`` folder; for each call the first file with a row
+for its shape and T serves (user folder first), else the built-in table.
 
 Schema (``schema_version`` 1)::
 
@@ -181,8 +182,8 @@ def _t_bounds(row: dict, where: str) -> tuple[int, int | None]:
 
 def _timings(row: dict, where: str) -> dict[str, float]:
     us = row.get("us", {})
-    if not isinstance(us, dict) or not all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-                                           for k, v in us.items()):
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    if not isinstance(us, dict) or not all(isinstance(k, str) and number(v) for k, v in us.items()):
         raise ConfigError(f"{where}: us is not an object of candidate → microseconds")
     if not isinstance(row.get("why", ""), str):
         raise ConfigError(f"{where}: why is not a string")
@@ -444,7 +445,8 @@ def files_for(cap: Capability, family: str) -> tuple[ConfigFile, ...]:
     return _files(cap.device, family, cap.family)
 
 
-def measured_row(cap: Capability, family: str, bucket: tuple[int, ...], t: int) -> tuple[ConfigFile, MeasuredRow] | None:
+def measured_row(cap: Capability, family: str, bucket: tuple[int, ...],
+                 t: int) -> tuple[ConfigFile, MeasuredRow] | None:
     """The first file's row for this bucket and T, with the file (for ``env`` / ``inspect``)."""
     for cf in files_for(cap, family):
         if (row := cf.rows(bucket, t)) is not None:
