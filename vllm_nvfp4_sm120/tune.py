@@ -483,14 +483,14 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 @dataclass
-class Plan:
+class Request:
     """What ``tune`` was asked to measure: linear shapes per route, MoE layer shapes."""
 
     linear: list[tuple[str, str, int, int]]  # (name, route, N, K)
     moe: list[tuple[str, dict]]  # (name, moe_points keywords)
 
 
-def tune_plan(args: argparse.Namespace) -> Plan:
+def tune_request(args: argparse.Namespace) -> Request:
     """The shapes and routes from the arguments (ValueError / CheckpointError on bad input; no GPU needed)."""
     from .bench import MODELS, MOE_SHAPES
 
@@ -550,17 +550,18 @@ def tune_plan(args: argparse.Namespace) -> Plan:
                 out.append((name, route, n, k))
     if not out and not moe:
         raise ValueError("nothing to tune: give --checkpoint, --models, --shapes or --moe-models")
-    return Plan(out, moe)
+    return Request(out, moe)
 
 
-def all_points(plan: Plan, cap: Capability, tokens: list[int] | None, moe_tokens: list[int] | None) -> list[Point]:
+def all_points(request: Request, cap: Capability, tokens: list[int] | None,
+               moe_tokens: list[int] | None) -> list[Point]:
     from .dispatch.linear import TABLE
 
     points = []
-    for name, route, n, k in plan.linear:
+    for name, route, n, k in request.linear:
         if route in TABLE.get(cap.family, {}):
             points += linear_points(cap, route, n, k, name=name, tokens=tokens)
-    for name, shape in plan.moe:
+    for name, shape in request.moe:
         points += moe_points(cap, name=name, tokens=moe_tokens, **shape)
     return points
 
@@ -582,7 +583,7 @@ def tune_command(args: argparse.Namespace) -> int:
     from .inspect_ckpt import CheckpointError
 
     try:
-        plan = tune_plan(args)
+        request = tune_request(args)
         tokens = _ints(args.tokens, "--tokens") if args.tokens else None
         moe_tokens = _ints(args.moe_tokens, "--moe-tokens") if args.moe_tokens else None
     except (CheckpointError, ValueError) as e:
@@ -591,7 +592,7 @@ def tune_command(args: argparse.Namespace) -> int:
     if args.list:
         cap = _list_capability(args)
         print(f"# {cap.device or 'no GPU'} ({cap.name}, {cap.sm_count} SMs)")
-        print(format_points(all_points(plan, cap, tokens, moe_tokens)))
+        print(format_points(all_points(request, cap, tokens, moe_tokens)))
         return 0
     if not torch.cuda.is_available():
         print("error: tune needs a CUDA GPU (none visible): it times the kernels on the GPU its configs are for "
@@ -603,7 +604,7 @@ def tune_command(args: argparse.Namespace) -> int:
     if cap.family is Family.OTHER:
         print(f"error: tune: the dispatch has no tables for {cap.name}", file=sys.stderr)
         return 2
-    points = all_points(plan, cap, tokens, moe_tokens)
+    points = all_points(request, cap, tokens, moe_tokens)
     out_dir = Path(args.out)
     bar = progress(sum(len(p.candidates) for p in points), "tune")
     outcomes: list[Outcome] = []
