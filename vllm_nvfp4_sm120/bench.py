@@ -280,12 +280,13 @@ MOE_SHAPES = {  # name: (H, I, E, top_k)
 MOE_TOKENS = (16, 64, 256, 1024, 4096, 8192)
 
 
-def _gpu_nvfp4(shape, gen: torch.Generator) -> NvFp4:
-    """Random codes and e4m3 scales drawn on the GPU (GBs of expert weights; the CPU generator is too slow)."""
+def gpu_nvfp4(shape, gen: torch.Generator) -> NvFp4:
+    """Random codes and e4m3 scales drawn on ``gen``'s device, the GPU for GBs of expert weights (drawing them on
+    the CPU is too slow)."""
     *lead, k = shape
-    codes = torch.randint(0, 256, (*lead, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
-    exp = torch.randint(-3, 2, (*lead, k // 16), device="cuda", generator=gen).float()
-    mant = torch.randint(0, 8, (*lead, k // 16), device="cuda", generator=gen).float()
+    codes = torch.randint(0, 256, (*lead, k // 2), dtype=torch.uint8, device=gen.device, generator=gen)
+    exp = torch.randint(-3, 2, (*lead, k // 16), device=gen.device, generator=gen).float()
+    mant = torch.randint(0, 8, (*lead, k // 16), device=gen.device, generator=gen).float()
     return NvFp4(codes, (torch.exp2(exp) * (1 + mant / 8)).to(torch.float8_e4m3fn))
 
 
@@ -298,7 +299,7 @@ def bench_moe(shapes: list[str], tokens: list[int]) -> list[Row]:
     rows = []
     for name in shapes:
         h, i, e, k = MOE_SHAPES[name]
-        w13, w2 = _gpu_nvfp4((e, 2 * i, h), gen), _gpu_nvfp4((e, h, i), gen)
+        w13, w2 = gpu_nvfp4((e, 2 * i, h), gen), gpu_nvfp4((e, h, i), gen)
         d13 = torch.full((e,), 0.01, device="cuda")
         d2 = torch.full((e,), 0.01, device="cuda")
         enc = torch.full((1,), 50.0, device="cuda")
@@ -363,7 +364,7 @@ VLLM_LINEAR_KERNELS = (
 COMPARE_GROUPS = ("ours", "vllm", "cublas")
 
 
-def _progress(total: int, desc: str):
+def progress(total: int, desc: str):
     """tqdm when installed (vLLM brings it), else a plain counter on stderr (the H200 image may lack tqdm)."""
     try:
         from tqdm import tqdm
@@ -386,7 +387,7 @@ def _progress(total: int, desc: str):
         return _Plain()
 
 
-def _require_matplotlib():
+def require_matplotlib():
     try:
         import matplotlib
 
@@ -483,7 +484,7 @@ def run_compare(args: argparse.Namespace) -> dict:
     ceilings = {"dram_read_tbs": dram_read_tbs(), "cublas_bf16_tflops_8192": cublas_bf16_tflops()}
     gen = torch.Generator().manual_seed(0)
     rows: list[Row] = []
-    bar = _progress(len(shapes) * len(tokens), "bench compare")
+    bar = progress(len(shapes) * len(tokens), "bench compare")
     w_dec, in_dec = torch.tensor(0.01, device="cuda"), torch.tensor(0.01, device="cuda")
     for model, layer, n, k in shapes:
         wbytes = n * k // 2 + n * k // 16
@@ -638,7 +639,7 @@ def compare(args: argparse.Namespace) -> int:
         return 2
     plt = None
     if args.plot:
-        plt = _require_matplotlib()
+        plt = require_matplotlib()
         if plt is None:
             print("error: --plot needs matplotlib, which is not installed (pip install matplotlib); "
                   "run without --plot, or with --json and plot later", file=sys.stderr)

@@ -2,11 +2,14 @@
 
     env       this machine: GPU, versions, CUDA toolkit, and which of our kernels would serve NVFP4 layers
     inspect   an NVFP4 checkpoint: format, input scales, fused-global spreads, kernel plan (reads headers only)
-    bench     our kernels next to vLLM's NVFP4 kernels and cuBLAS bf16 on this GPU, for a checkpoint's shapes
+    bench     our kernels next to vLLM's NVFP4 kernels and cuBLAS bf16 on this GPU, for a checkpoint's shapes;
+              --e2e: vLLM serving the checkpoint with our kernels and with its own (TTFT, decode tokens/s, outputs)
     selftest  every check this machine can run (references, sm_120 compiles, kernels on this GPU) → pass/fail table
+    tune      time the dispatch's choices on this GPU and write measured configs the dispatch then uses
 
-Layer 5: may import every layer.  vLLM is imported only inside ``bench`` (for its kernels), so ``env``,
-``inspect`` and ``selftest`` also run on a machine with torch and Triton alone.
+Layer 5: may import every layer.  vLLM is imported only inside ``bench`` (for its kernels; ``--e2e`` in a child
+process per arm), so ``env``, ``inspect``, ``selftest`` and ``tune`` also run on a machine with torch and Triton
+alone.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from pathlib import Path
 
 from .bench import add_compare_args
 from .bench import emit_json as _emit_json  # one JSON writer for every tool
+from .e2e import add_e2e_args
+from .tune import add_tune_args
 
 
 def _output_path_problem(path: str) -> str | None:
@@ -140,7 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--w4a16", action="store_true", help="demo checkpoint: weight-only (W4A16)")
     ins.set_defaults(func=_inspect)
 
-    add_compare_args(sub.add_parser("bench", help="our kernels vs vLLM's NVFP4 kernels and cuBLAS bf16 on this GPU"))
+    bench = sub.add_parser("bench", help="our kernels vs vLLM's NVFP4 kernels and cuBLAS bf16 on this GPU; --e2e: "
+                                         "vLLM serving a checkpoint with ours vs its own")
+    add_compare_args(bench)
+    add_e2e_args(bench)
 
     st = sub.add_parser("selftest", help="run every check this machine can run and print a pass/fail table")
     st.add_argument("--only", help="comma list of check kinds: format,compile,gpu")
@@ -149,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--quiet", action="store_true", help="no progress line per check")
     st.add_argument("--list", action="store_true", help="list the checks (of --only, --match) and run none")
     st.set_defaults(func=_selftest)
+
+    add_tune_args(sub.add_parser("tune", help="time the dispatch's choices on this GPU and write measured configs"))
     return parser
 
 

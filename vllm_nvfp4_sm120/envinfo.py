@@ -14,10 +14,12 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from . import __version__
+from .dispatch import configs as dispatch_configs
 from .dispatch import linear as dispatch_linear
 from .dispatch import moe as dispatch_moe
 from .dispatch.hw import NO_GPU, Capability, Family
@@ -198,7 +200,7 @@ def collect() -> dict:
     import triton
 
     gpu = _gpu()
-    cap = Capability(gpu["cc"], gpu["sms"]) if gpu["available"] else None
+    cap = Capability(gpu["cc"], gpu["sms"], gpu["name"]) if gpu["available"] else None
     plan_cc = cap.cc if cap is not None else 120  # without a GPU: the plan an sm_120 gets
     tk = find_cuda_toolkit()
     plugin_off = os.environ.get(PLUGIN_SWITCH, "1").strip().lower() in ("0", "false", "off", "no")
@@ -224,6 +226,7 @@ def collect() -> dict:
         "serving": serving_summary(cap),
         "linear_plan": {},
         "moe_plan": {},
+        "measured_configs": dispatch_configs.describe(cap),
     }
     for route in dispatch_linear.ROUTES:
         try:
@@ -264,7 +267,7 @@ def format_env(info: dict) -> str:
     lines.append(f"plugin     {'enabled' if pl['enabled'] else 'DISABLED'} ({pl['why']}); "
                  f"--linear-backend {' | '.join(pl['linear_backends'])}; --moe-backend {pl['moe_backend']}")
     lines += ["", f"Serving on {info['plan_for']}:"] + [f"  {s}" for s in info["serving"]]
-    lines += ["", f"Linear plan per route ({info['plan_for']}):"]
+    lines += ["", f"Linear plan per route ({info['plan_for']}; the built-in table, for a 5120 x 5120 linear):"]
     for route, rows in info["linear_plan"].items():
         if isinstance(rows, str):
             lines.append(f"  {route:17} {rows}")
@@ -275,4 +278,26 @@ def format_env(info: dict) -> str:
     for kind, rows in info["moe_plan"].items():
         for i, r in enumerate(rows):
             lines.append(f"  {kind + ' ckpt' if i == 0 else '':11} {r['t']:28} {r['plan']}")
-    return "\n".join(lines)
+    return "\n".join(lines + measured_lines(info["measured_configs"]))
+
+
+def measured_lines(mc: dict) -> list[str]:
+    """The measured configs found and the rows they give this GPU (``dispatch.configs.describe``)."""
+    lines = ["", f"Measured configs (${mc['env']}: {mc['user_dir'] or 'unset'}; shipped: {mc['shipped_dir']}):"]
+    for f in mc["files"]:
+        state = f"IGNORED: {f['error']}" if f["error"] else f"{f['buckets']} shape(s)"
+        lines.append(f"  [{f['source']}] {Path(f['path']).name}: {state}"
+                     + ("" if f["for_this_gpu"] else " (another GPU)"))
+    if not mc["files"]:
+        lines.append("  none found")
+    if mc["device"] is None:
+        lines.append("  no GPU here: measured configs apply per GPU model; the plans above are the built-in tables'")
+    elif not mc["rows"]:
+        lines.append(f"  none for this GPU ({mc['device']}): every choice is the built-in tables' "
+                     "(`vllm-nvfp4-sm120 tune` measures them)")
+    else:
+        lines.append(f"  rows from measured files on this GPU ({mc['device']}; every other shape and T: the built-in "
+                     "tables):")
+        lines += [f"    {r['family']:13} {r['bucket']:28} {r['t']:14} {r['choice']}  [{r['source']}]"
+                  for r in mc["rows"]]
+    return lines

@@ -48,6 +48,8 @@ from .checkpoint import (
     short_repr,
     string_list,
 )
+from .dispatch import configs
+from .dispatch.hw import Capability, capability_of
 from .envinfo import AUTO_BACKEND, MOE_BACKEND, backend_name, linear_plan, moe_plan
 from .format import BLOCK_SIZE
 from .format.scales import SPREAD_WARN_FRACTION
@@ -477,6 +479,8 @@ class Report:
     runtime_shapes: list[tuple[str, int, int]]  # distinct (kind, N, K) of the NVFP4 dense linears as vLLM runs them
     serving: list[dict]  # on sm_120: {"by": "plugin" | "vLLM", "layers": ..., "how": ...}
     plans: dict[str, dict]  # "sm_120" / "this GPU (...)" -> {"linear": [...], "moe": [...]} or {"note": ...}
+    # Per layer shape on this GPU: the rows measured config files give it ({"note": ...} without a GPU).
+    measured: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -499,6 +503,28 @@ def _plans(cc: int, dense: list[str], moe_schemes: list[str], moe: dict | None) 
             rows = f"vLLM's own kernels ({e})"
         plan["moe"].append(dict(scheme=scheme, rows=rows))
     return plan
+
+
+def _measured(cap: Capability, dense: list[str], shapes: list[tuple[str, int, int]], moe_schemes: list[str],
+              moe: dict | None) -> dict:
+    """Per layer shape (TP = 1) on this GPU: the measured config rows that serve it; none → the built-in table."""
+    layers = []
+    for scheme in dense:
+        route = "triton" if scheme == W4A4 else "w4a16"
+        for kind, n, k in shapes:
+            found = configs.bucket_rows(cap, configs.linear_family(route), (n, k))
+            layers.append(dict(layer=f"{kind} {n}x{k}", route=route, rows=_measured_rows(found)))
+    for scheme in moe_schemes if moe is not None else ():
+        bucket = (moe["experts"], moe["top_k"], moe["hidden"], moe["intermediate"])
+        found = configs.bucket_rows(cap, configs.moe_family(scheme == W4A4), bucket)
+        layers.append(dict(layer=f"{scheme} MoE {configs.moe_bucket(*bucket)}", route="moe",
+                           rows=_measured_rows(found)))
+    return {"gpu": cap.device, "layers": layers}
+
+
+def _measured_rows(found) -> list[dict]:
+    return [dict(t=row.t_range(), choice=configs.choice_label(row.choice), file=cf.path.name, source=cf.source)
+            for cf, row in found]
 
 
 def runtime_shapes(linears: list[Linear]) -> list[tuple[str, int, int]]:
@@ -618,8 +644,11 @@ def inspect_checkpoint(ckpt: str | Path) -> Report:
         major, minor = torch.cuda.get_device_capability()
         plans[f"this GPU ({torch.cuda.get_device_name()}, sm_{major}{minor})"] = _plans(major * 10 + minor, dense,
                                                                                         moe_schemes, moe)
+        measured = _measured(capability_of(torch.device("cuda")), dense, runtime_shapes(linears), moe_schemes, moe)
     else:
         plans["this machine"] = {"note": "no CUDA GPU: nothing runs here"}
+        measured = {"note": "no CUDA GPU: measured configs apply per GPU model (the sm_120 plan above is the "
+                            "built-in table's)"}
     spreads = sorted(fused_spreads(linears), key=lambda s: (s.spread is None, -(s.spread or 0.0)))
     architectures = string_list(config.get("architectures"), "architectures", config_path)
     return Report(
@@ -627,7 +656,7 @@ def inspect_checkpoint(ckpt: str | Path) -> Report:
         tensors=len(table.tensors), linears=len(linears), kinds=_kinds(linears, others), kv_scales=kv_scales,
         spreads=spreads, warn_spreads=[s for s in spreads if s.spread is not None and s.spread > SPREAD_WARN_FRACTION],
         moe_input_spreads=moe_input_spreads(linears), problems=problems, notes=notes, moe=moe,
-        runtime_shapes=runtime_shapes(linears), serving=_serving(linears, others), plans=plans,
+        runtime_shapes=runtime_shapes(linears), serving=_serving(linears, others), plans=plans, measured=measured,
     )
 
 
@@ -747,4 +776,17 @@ def format_report(r: Report, *, max_spreads: int = 8, max_problems: int = 20) ->
                  f"{AUTO_BACKEND}, --moe-backend {MOE_BACKEND})")
     for where, plan in r.plans.items():
         lines += _plan_lines(where, plan)
-    return "\n".join(lines)
+    return "\n".join(lines + _measured_lines(r.measured))
+
+
+def _measured_lines(m: dict) -> list[str]:
+    lines = ["", "  measured configs (`vllm-nvfp4-sm120 tune`) on this GPU:"]
+    if "note" in m:
+        return lines + [f"    {m['note']}"]
+    for layer in m["layers"]:
+        if not layer["rows"]:
+            lines.append(f"    {layer['layer']:28} ({layer['route']}): none, the built-in table serves every T")
+            continue
+        lines.append(f"    {layer['layer']:28} ({layer['route']}): measured rows (other T: the built-in table)")
+        lines += [f"      {row['t']:14} {row['choice']}  [{row['source']}: {row['file']}]" for row in layer["rows"]]
+    return lines

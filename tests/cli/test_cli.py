@@ -142,7 +142,7 @@ def test_bench_needs_a_gpu(tiny, capsys):
 
 
 def test_bench_plot_without_matplotlib_is_a_clear_error(capsys, monkeypatch):
-    monkeypatch.setattr(bench, "_require_matplotlib", lambda: None)
+    monkeypatch.setattr(bench, "require_matplotlib", lambda: None)
     code, _, err = run(capsys, "bench", "--plot", "x.png")
     assert code == 2 and "pip install matplotlib" in err
 

@@ -1,4 +1,4 @@
-"""The GPU a choice is made for: one :class:`Capability` (compute capability, architecture family, SM count).
+"""The GPU a choice is made for: one :class:`Capability` (compute capability, architecture family, SM count, name).
 
 Every table of the dispatch is keyed by :class:`Family`; every rule that depends on the GPU takes a
 :class:`Capability`.  :func:`capability_of` reads it from a device; vLLM's view of the GPU (the glue) and the
@@ -32,10 +32,15 @@ _FAMILY_OF_MAJOR = {12: Family.SM120, 10: Family.SM100, 9: Family.SM90, 8: Famil
 
 @dataclass(frozen=True)
 class Capability:
-    """A GPU as the dispatch sees it.  ``cc`` is major * 10 + minor (120 = sm_120), ``None`` without a CUDA GPU."""
+    """A GPU as the dispatch sees it.  ``cc`` is major * 10 + minor (120 = sm_120), ``None`` without a CUDA GPU.
+
+    ``device`` is the CUDA device name as torch reports it ("NVIDIA GeForce RTX 5090"): measured configs
+    (``dispatch/configs.py``) are per device; without it only the built-in tables serve.
+    """
 
     cc: int | None
     sm_count: int = REFERENCE_SM_COUNT
+    device: str | None = None
 
     @property
     def major(self) -> int | None:
@@ -61,7 +66,8 @@ SM120_REFERENCE = Capability(120)
 @functools.cache
 def _cuda_capability(index: int) -> Capability:
     major, minor = torch.cuda.get_device_capability(index)
-    return Capability(major * 10 + minor, torch.cuda.get_device_properties(index).multi_processor_count)
+    props = torch.cuda.get_device_properties(index)
+    return Capability(major * 10 + minor, props.multi_processor_count, props.name)
 
 
 def capability_of(device: torch.device) -> Capability:

@@ -37,6 +37,7 @@ import triton
 from ..kernels.gluon_compat import gluon_enabled
 from ..kernels.gluon_gemv import MMA_BLOCK_M, FmaTile, MmaTile
 from ..kernels.w4a16_linear import GEMV_BLOCK_T
+from .configs import measured_linear_plan
 from .hw import Capability, Family
 
 
@@ -340,8 +341,19 @@ _TILE_RULES: dict[LinearKernel, Callable[[Capability, int, int, int], LinearPlan
 
 
 def select_linear(cap: Capability, route: Route | str, t: int, n: int, k: int) -> LinearPlan:
-    """The plan for one call of ``x [t, k] @ W [n, k]^T`` on ``cap``'s GPU."""
-    for row in _rows(cap, route):
+    """The plan for one call of ``x [t, k] @ W [n, k]^T`` on ``cap``'s GPU: a measured config's row where one covers
+    this GPU, shape and T (``dispatch/configs.py``), else the built-in table's (:func:`table_linear`)."""
+    rows = _rows(cap, route)
+    return measured_linear_plan(cap, route, t, n, k) or _table_plan(rows, cap, t, n, k)
+
+
+def table_linear(cap: Capability, route: Route | str, t: int, n: int, k: int) -> LinearPlan:
+    """The built-in table's plan (the documented default; what ``tune`` measures against)."""
+    return _table_plan(_rows(cap, route), cap, t, n, k)
+
+
+def _table_plan(rows: list[Row], cap: Capability, t: int, n: int, k: int) -> LinearPlan:
+    for row in rows:
         if row.max_t is None or t <= row.max_t:
             rule = None if row.plan.params else _TILE_RULES.get(row.plan.kernel)
             return row.plan if rule is None else rule(cap, t, n, k)

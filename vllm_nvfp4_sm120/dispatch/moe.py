@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from ..kernels.gluon_compat import gluon_enabled
+from .configs import measured_moe_plan
 from .hw import Capability, Family
 
 
@@ -205,7 +206,18 @@ def select_moe_plan(
     intermediate: int,
     w4a4: bool,
 ) -> MoePlan:
-    """The plan for one MoE layer call.  ``w4a4``: the layer has static activation scales (W4A4 checkpoint)."""
+    """The plan for one MoE layer call.  ``w4a4``: the layer has static activation scales (W4A4 checkpoint).
+
+    A measured config's row where one covers this GPU, layer shape and T (``dispatch/configs.py``), else the
+    built-in tiers' (:func:`table_moe_plan`)."""
+    shape = dict(num_tokens=num_tokens, top_k=top_k, global_experts=global_experts, hidden=hidden,
+                 intermediate=intermediate, w4a4=w4a4)
+    return measured_moe_plan(cap, **shape) or table_moe_plan(cap, **shape)
+
+
+def table_moe_plan(cap: Capability, *, num_tokens: int, top_k: int, global_experts: int, hidden: int,
+                   intermediate: int, w4a4: bool) -> MoePlan:
+    """The built-in tiers' plan (the documented default; what ``tune`` measures against)."""
     fam = tier_family(cap)
     m = tokens_per_expert(num_tokens, top_k, global_experts)
     kernel = MoeKernel.W4A4 if w4a4 and m >= W4A4_MIN_TOKENS_PER_EXPERT else MoeKernel.W4A16
@@ -268,3 +280,16 @@ def all_moe_plans(cap: Capability) -> list[MoePlan]:
                         if gluon is not None and gluon not in plans:
                             plans.append(gluon)
     return plans
+
+
+def tier_plan(cap: Capability, kernel: MoeKernel, block_m: int, *, hidden: int, intermediate: int,
+              impl: Impl = Impl.TRITON) -> MoePlan | None:
+    """The plan of ``kernel``'s tier with this BLOCK_M on ``cap`` (on the Gluon GEMMs for ``impl`` gluon), with the
+    TMA choices of the shape; None when the tier tables have no such tier or Gluon no tile for it.  What a
+    measured config's row names, and what ``tune`` times."""
+    fam = tier_family(cap)
+    for i, tier in enumerate(_tiers(kernel, fam)):
+        if tier[1] == block_m:
+            plan = _plan(cap, fam, kernel, (i, *tier[1:]), (_tma(fam, hidden), _tma(fam, intermediate)))
+            return plan if impl is Impl.TRITON else as_gluon(plan, intermediate)
+    return None
