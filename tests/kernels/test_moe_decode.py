@@ -278,6 +278,27 @@ def test_sweep_candidates_compile_for_sm120(job):
     _check_sass(_compile(kind, tile), tile)
 
 
+def _dispatch_jobs():
+    """Every decode tile the dispatch can pick (``dispatch.moe.all_moe_plans``), TMA and pointer variants."""
+    from vllm_nvfp4_sm120.dispatch.hw import Capability
+    from vllm_nvfp4_sm120.dispatch.moe import all_moe_plans
+
+    jobs = {}
+    for p in all_moe_plans(Capability(120)):
+        if p.impl == "decode":
+            jobs[("gate_up", p.gate_up)] = None
+            jobs[(str(p.decode_down), p.down)] = None
+    return list(jobs)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("job", _dispatch_jobs(), ids=lambda j: f"{j[0]}-n{j[1].block_n}k{j[1].block_k}"
+                         f"w{j[1].num_warps}{'-tma' if j[1].use_tma else ''}")
+def test_dispatch_decode_tiles_compile_for_sm120(job):
+    kind, tile = job
+    _check_sass(_compile(kind, tile), tile)
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("kind,extra,dtype", [
     ("gate_up", (("ACTIVATION", "gelu_tanh"), ("BY_EXPERT", True), ("ZERO", True), ("S_BLOCK", 1024)), "bf16"),
