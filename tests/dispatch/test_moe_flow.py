@@ -32,7 +32,7 @@ def _plans():
     for cap in (NO_GPU, SM120, SM90):
         for p in all_moe_plans(cap):
             if p.impl in ("gluon", "decode"):
-                continue  # Gluon does not run in the interpreter (tests/kernels/test_gluon_moe.py on a GPU); decode below
+                continue  # Gluon: not in the interpreter (test_gluon_moe.py on a GPU); decode plans: below
             p = _interpretable(p)
             # Stages and warps do not change what the interpreter computes; TMA is covered on both GEMMs at once.
             key = (p.kernel, p.block_m, p.gate_up.block_n, p.gate_up.block_k, p.down.block_n, p.down.block_k,
@@ -298,7 +298,8 @@ def test_dispatch_decode_rows():
     assert names == {1: "gu-n16k512-w2-tma", 4: "gu-n16k512-w2-tma", 8: "gu-n32k256-w4-tma", 32: "gu-n16k256-w2-tma"}
     assert all(plan(t).decode_down == "expert" for t in (1, 4, 32))
     assert [plan(t, "qwen3-next-80b").decode_down for t in (1, 2, 4, 32)] == ["expert", "expert", "token", "token"]
-    assert plan(1).down == M.DECODE_DOWN_TILES["expert"] and plan(4, "qwen3-next-80b").down == M.DECODE_DOWN_TILES["token"]
+    assert plan(1).down == M.DECODE_DOWN_TILES["expert"]
+    assert plan(4, "qwen3-next-80b").down == M.DECODE_DOWN_TILES["token"]
     # Not decode: no rows for the GPU, 4+ routes per expert, K not TMA-readable, more routes than one id vector.
     for cap in (NO_GPU, Capability(80), Capability(100)):
         assert plan(1, cap=cap).impl != "decode"

@@ -314,6 +314,13 @@ def table_moe_plan(cap: Capability, *, num_tokens: int, top_k: int, global_exper
                          intermediate=intermediate)
     if decode is not None:
         return decode
+    return tiers_moe_plan(cap, num_tokens=num_tokens, top_k=top_k, global_experts=global_experts, hidden=hidden,
+                          intermediate=intermediate, w4a4=w4a4)
+
+
+def tiers_moe_plan(cap: Capability, *, num_tokens: int, top_k: int, global_experts: int, hidden: int,
+                   intermediate: int, w4a4: bool) -> MoePlan:
+    """The tiers' plan (align + BLOCK_M GEMMs), decode rows aside: what the benchmarks time the decode plan against."""
     fam = tier_family(cap)
     m = tokens_per_expert(num_tokens, top_k, global_experts)
     kernel = MoeKernel.W4A4 if w4a4 and m >= W4A4_MIN_TOKENS_PER_EXPERT else MoeKernel.W4A16
