@@ -131,6 +131,8 @@ def _run_decode(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, 
     """The decode plan: two launches (three for the deterministic expert-major down), no alignment, buffers from
     shapes.  Routing ids out of range contribute nothing (as ``-1`` in ``expert_map``): checking them would sync."""
     gate_up, down = MOE_KERNELS[plan.kernel, plan.impl]
+    # The kernels read the routing as flat [T * top_k] vectors (no copy when already contiguous, vLLM's case).
+    topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
     by_expert = plan.decode_down == DecodeDown.EXPERT
     # Expert-major: fp32 sums + tile counts that the gate_up kernel's programs zero (atomic mode), or per-route
     # rows (deterministic, summed in slot order); token-major needs none.
