@@ -262,6 +262,14 @@ def test_decode_deterministic_is_bitwise_repeatable(down):
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+def test_decode_plan_with_split_k_gate_up(deterministic, gen):
+    # A split-K gate_up tile (a sweep candidate) runs through the flow unchanged: the launcher sizes its buffers.
+    plan = decode_tier_plan(SM90, 1, hidden=112, intermediate=96)
+    plan = replace(plan, gate_up=replace(plan.gate_up, block_k=32, split_k=2))
+    run_case(plan, 3, 2, gen, e=8, h=112, i=96, deterministic=deterministic)
+
+
 def test_decode_strided_routing(gen):
     plan = decode_tier_plan(SM90, 1, hidden=112, intermediate=96)
     w13, d13, w2, d2 = make_layer(8, 112, 96, gen)
