@@ -26,7 +26,7 @@ launchers ``dispatch.registry.MOE_KERNELS`` names for its ``(kernel, impl)``.
   T and shape in :data:`_DECODE_ROWS`; BLOCK_M is 0 (no row blocks).
 
 Tiles are compile-checked for sm_120 (no local memory, shared memory <= 99 KB) by ``tests/kernels/test_moe_compile.py``
-over :func:`all_moe_plans`.
+over :func:`all_moe_plans` (the decode tiles by ``tests/kernels/test_moe_decode.py``).
 """
 
 from __future__ import annotations
@@ -212,9 +212,10 @@ DECODE_DOWN_TILES = {
 # shapes (1.08-1.99x), slower at T = 64 on two of them (Qwen3-30B-A3B 0.89x, Qwen3-Next-80B 0.97x), so T = 64
 # stays on the tiers.
 DECODE_MAX_TOKENS = 32
-# The token-major down kernel from this T on where I <= DECODE_TOKEN_DOWN_MAX_I: with I = 512 the down GEMM is two
-# K steps per route and E = 512 experts rarely share a token, so expert-major dedupe saves nothing and its atomics
-# and tile counting cost more (Qwen3-Next-80B, T = 4-32: tok-n16k256-w1 in the best pair of every point).
+# The token-major down kernel from this T on where I <= DECODE_TOKEN_DOWN_MAX_I (measured: Qwen3-Next-80B, I = 512,
+# T = 4-32: tok-n16k256-w1 in the best pair of every point; the one shape measured with I <= 512).  Likely why: its
+# down GEMM is two K steps per route and with 512 experts few routes share one, so the expert-major dedupe saves
+# little against its atomics and tile counting.
 DECODE_TOKEN_DOWN_MIN_T = 4
 DECODE_TOKEN_DOWN_MAX_I = 512
 
