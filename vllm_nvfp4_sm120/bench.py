@@ -2,8 +2,8 @@
 
 The one bench entry point: ``linear``, ``moe``, ``moe_decode``, ``act_quant``, the ``sweep_*`` runs and
 ``ceilings`` time our kernels and run without vLLM (the H200 used for measurements has none); ``compare`` times
-them next to vLLM's NVFP4 kernel classes (when vLLM is importable) and is what ``vllm-nvfp4-sm120 bench`` runs.  Method, so the
-numbers can be trusted:
+them next to vLLM's NVFP4 kernel classes (when vLLM is importable) and is what ``vllm-nvfp4-sm120 bench`` runs.
+Method, so the numbers can be trusted:
 - every candidate is timed side by side in one process, on the same inputs, as a median over repeats;
 - each weight is replicated into ``copies`` distinct buffers totalling ≥ ``--min-bytes`` (2 GB), and one timed
   run calls the kernel once per copy, so every call reads its weight from DRAM, not from the 50 MB L2;
