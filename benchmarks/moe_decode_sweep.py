@@ -62,6 +62,13 @@ GATE_UP = {
     "gu-n32k256-w4-tma": DecodeTile(32, 256, 16, num_warps=4, num_stages=4, use_dot=True, use_tma=True),
     "gu-n16k256-w4-fma": DecodeTile(16, 256, 1, num_warps=4, num_stages=4, use_dot=False),
     "gu-n16k256-w2-evict": DecodeTile(16, 256, 16, num_warps=2, num_stages=4, use_dot=True, evict_first=True),
+    # Split-K (T <= 4: 8-40 routes make too few programs, each decoding a long K loop; splitting K multiplies the
+    # decode warps in flight, the last split of each tile sums the fp32 partials in split order).  Not on the
+    # 512-wide K tile: with the split epilogue it spills on sm_120 (compile check).
+    "gu-n16k256-w2-tma-s2": DecodeTile(16, 256, 16, num_warps=2, num_stages=4, use_dot=True, use_tma=True,
+                                       split_k=2),
+    "gu-n16k256-w2-tma-s4": DecodeTile(16, 256, 16, num_warps=2, num_stages=4, use_dot=True, use_tma=True,
+                                       split_k=4),
 }
 DOWN = {  # name: (kernel, deterministic, tile)
     "tok-n16k256-w1": ("token", False, DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True)),

@@ -1,9 +1,9 @@
 """Benchmarks on the GPU present: ``python -m vllm_nvfp4_sm120.bench WHAT [options]`` (``--help`` lists WHAT).
 
-The one bench entry point: ``linear``, ``moe``, ``act_quant``, the ``sweep_*`` runs and ``ceilings`` time our
-kernels and run without vLLM (the H200 used for measurements has none); ``compare`` times them next to vLLM's
-NVFP4 kernel classes (when vLLM is importable) and is what ``vllm-nvfp4-sm120 bench`` runs.  Method, so the
-numbers can be trusted:
+The one bench entry point: ``linear``, ``moe``, ``moe_decode``, ``act_quant``, the ``sweep_*`` runs and
+``ceilings`` time our kernels and run without vLLM (the H200 used for measurements has none); ``compare`` times
+them next to vLLM's NVFP4 kernel classes (when vLLM is importable) and is what ``vllm-nvfp4-sm120 bench`` runs.
+Method, so the numbers can be trusted:
 - every candidate is timed side by side in one process, on the same inputs, as a median over repeats;
 - each weight is replicated into ``copies`` distinct buffers totalling ≥ ``--min-bytes`` (2 GB), and one timed
   run calls the kernel once per copy, so every call reads its weight from DRAM, not from the 50 MB L2;
@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import triton
 
 from .format import GlobalScale, NvFp4, random_nvfp4, unit_values
 
@@ -339,6 +340,161 @@ def bench_moe(shapes: list[str], tokens: list[int]) -> list[Row]:
         del w13, w2
         torch.cuda.empty_cache()
     return rows
+
+
+# ---- moe_decode: the decode plan against today's path and the bytes floor -----------------------------------------
+
+DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+DECODE_MAX_COPIES = 16
+DECODE_MAX_BANK_BYTES = 24e9  # all copies of one shape's banks together (DeepSeek-V3: 6.3 GB per copy)
+
+
+@dataclass
+class DecodeRow:
+    model: str
+    h: int
+    i: int
+    e: int
+    top_k: int
+    t: int
+    experts_touched: float  # distinct experts per call, mean over the copies' routings
+    floor_us: float  # codes + scales of the touched experts / DRAM read bandwidth of this run
+    decode_us: float  # the decode plan (its tiles at this T, also where the table does not pick it)
+    fraction_of_floor: float
+    today_us: float  # the tiers' plan (align + BLOCK_M GEMMs), W4A16
+    speedup: float  # today_us / decode_us
+    table_picks_decode: bool  # what the dispatch runs at this T (W4A16 checkpoint)
+    decode_plan: str
+    today_plan: str
+    rel_err: float  # max |decode - moe_ref| / max |moe_ref| on the first copy
+    copies: int
+
+
+def expert_bytes(h: int, i: int) -> int:
+    """Codes (1/2 byte) + e4m3 scales (1/16 byte) per weight of one expert's gate, up and down."""
+    return 3 * h * i * 9 // 16
+
+
+def decode_copies(h: int, i: int, e: int, top_k: int, min_bytes: float) -> int:
+    """Bank copies for one shape: each call reads its own copy's experts, so one graph of the calls reads at least
+    ``min_bytes`` at T = 1 (several L2 sizes), within :data:`DECODE_MAX_COPIES` and :data:`DECODE_MAX_BANK_BYTES`."""
+    want = -(-int(min_bytes) // (top_k * expert_bytes(h, i)))
+    room = int(DECODE_MAX_BANK_BYTES // (e * expert_bytes(h, i)))
+    return max(2, min(want, DECODE_MAX_COPIES, room))
+
+
+def decode_row(model: str, h: int, i: int, e: int, top_k: int, t: int, touched: list[int], read_tbs: float,
+               decode_s: float, today_s: float, table_picks_decode: bool, decode_plan: str, today_plan: str,
+               rel_err: float) -> DecodeRow:
+    """One row from what was measured (pure: the CPU tests build rows with the timer stubbed)."""
+    mean_touched = sum(touched) / len(touched)
+    floor_us = mean_touched * expert_bytes(h, i) / (read_tbs * 1e12) * 1e6
+    decode_us, today_us = decode_s * 1e6, today_s * 1e6
+    return DecodeRow(model, h, i, e, top_k, t, mean_touched, floor_us, decode_us, floor_us / decode_us, today_us,
+                     today_us / decode_us, table_picks_decode, decode_plan, today_plan, rel_err, len(touched))
+
+
+def bench_moe_decode(shapes: list[str], tokens: list[int], min_bytes: float, read_tbs: float, *,
+                     device: str = "cuda", cap=None, layer=None) -> list[DecodeRow]:
+    """The MoE layer at decode sizes: the decode plan and today's path (the tiers' W4A16 plan) side by side, each
+    call on its own copy of the banks with its own routing (so its experts come from DRAM), CUDA graphs, medians;
+    the floor from the experts actually touched.  ``cap`` / ``layer``: the GPU and the layer function (the CPU
+    tests fake them; default the device's and ``dispatch.moe_flow.nvfp4_moe``)."""
+    from .dispatch.hw import capability_of
+    from .dispatch.moe import decode_tier_plan, table_moe_plan, tiers_moe_plan
+    from .dispatch.moe_flow import nvfp4_moe
+    from .format import moe_ref
+
+    layer = nvfp4_moe if layer is None else layer
+    dev = torch.device(device)
+    cap = capability_of(dev) if cap is None else cap
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float16
+    rows = []
+    for name in shapes:
+        h, i, e, k = MOE_SHAPES[name]
+        copies = decode_copies(h, i, e, k, min_bytes)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        banks = []
+        for _ in range(copies):
+            w13, w2 = gpu_nvfp4((e, 2 * i, h), gen), gpu_nvfp4((e, h, i), gen)
+            d13 = 0.004 + 0.004 * torch.rand(e, device=dev, generator=gen)
+            d2 = 0.004 + 0.004 * torch.rand(e, device=dev, generator=gen)
+            banks.append((w13, d13, w2, d2))
+        print(f"# {name}: H={h} I={i} E={e} top_k={k}, {copies} bank copies "
+              f"({copies * e * expert_bytes(h, i) / 1e9:.1f} GB)", flush=True)
+        for t in tokens:
+            shape = dict(num_tokens=t, top_k=k, global_experts=e, hidden=h, intermediate=i)
+            decode = decode_tier_plan(cap, t, hidden=h, intermediate=i)
+            today = tiers_moe_plan(cap, w4a4=False, **shape)
+            if decode is None:
+                raise ValueError(f"{cap}: the dispatch has no decode plan here (rows for sm_90 and sm_120)")
+            x = torch.randn(t, h, device=dev, generator=gen).to(dtype)
+            routes = []
+            for _ in range(copies):
+                tw, ti = torch.softmax(torch.randn(t, e, device=dev, generator=gen), -1).topk(k, -1)
+                routes.append(((tw / tw.sum(-1, keepdim=True)).float().contiguous(), ti.to(torch.int32).contiguous()))
+            touched = [int(torch.unique(ti).numel()) for _, ti in routes]
+            out = torch.empty_like(x)
+
+            def calls(plan):
+                def run():
+                    for (w13, d13, w2, d2), (tw, ti) in zip(banks, routes):
+                        layer(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, plan=plan, out=out)
+                return run
+
+            (w13, d13, w2, d2), (tw, ti) = banks[0], routes[0]
+            got = layer(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, plan=decode)
+            ref = moe_ref(x, w13, d13, w2, d2, tw, ti)
+            scale = float(ref.float().abs().max()) if ref.numel() else 1.0
+            rel_err = float((got.float() - ref.float()).abs().max()) / (scale or 1.0) if ref.numel() else 0.0
+            decode_s = time_graph(calls(decode)) / copies
+            today_s = time_graph(calls(today)) / copies
+            picks = table_moe_plan(cap, w4a4=False, **shape).impl == "decode"
+            rows.append(decode_row(name, h, i, e, k, t, touched, read_tbs, decode_s, today_s, picks, decode.tier,
+                                   today.tier, rel_err))
+            print(_fmt_decode(rows[-1]), flush=True)
+        del banks
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _fmt_decode(r: DecodeRow) -> str:
+    flag = "" if r.rel_err <= 2.0**-7 else f"  WRONG (relative error {r.rel_err:.3g})"
+    return (f"{r.model:20} T={r.t:3} experts {r.experts_touched:6.1f} floor {r.floor_us:7.1f} us | decode "
+            f"{r.decode_us:8.1f} us ({r.fraction_of_floor:4.2f} of floor) | today {r.today_us:8.1f} us | "
+            f"{r.speedup:4.2f}x | table: {'decode' if r.table_picks_decode else 'tiers'} [{r.decode_plan}]{flag}")
+
+
+def decode_markdown(rows: list[DecodeRow]) -> str:
+    """The rows as the docs' table."""
+    lines = ["| model (H, I, E, top_k) | T | experts touched | floor µs | decode µs (of floor) | today's path µs | "
+             "speedup | table picks |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.model} ({r.h}, {r.i}, {r.e}, {r.top_k}) | {r.t} | {r.experts_touched:.1f} | "
+                     f"{r.floor_us:.1f} | {r.decode_us:.1f} ({r.fraction_of_floor:.2f}) | {r.today_us:.1f} | "
+                     f"{r.speedup:.2f}× | {'decode' if r.table_picks_decode else 'tiers'} |")
+    return "\n".join(lines)
+
+
+@triton.jit
+def _empty_kernel(x_ptr):
+    pass
+
+
+def empty_launch_us() -> dict:
+    """A graph of two empty kernels replayed alone (graph launch latency), and two empty kernels inside a long graph
+    (what two dependent launches cost inside a model's graph)."""
+    buf = torch.empty(1, device="cuda")
+    kernel = _empty_kernel
+
+    def pair():
+        kernel[(1,)](buf)
+        kernel[(1,)](buf)
+
+    alone = time_graph(pair)
+    many = time_graph(lambda: [pair() for _ in range(50)]) / 50
+    return {"graph_of_two_empty_kernels_us": alone * 1e6, "two_empty_kernels_in_a_long_graph_us": many * 1e6}
 
 
 def _fmt(r: Row) -> str:
@@ -681,6 +837,8 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
 KERNEL_BENCHES = {  # name: (help, default --models, default --tokens)
     "linear": ("our linear kernels at every T, next to cuBLAS bf16", ",".join(MODELS), TOKENS),
     "moe": ("the whole MoE layer, next to cuBLAS bf16 on the same FLOPs", ",".join(MOE_SHAPES), MOE_TOKENS),
+    "moe_decode": ("the MoE layer at decode sizes: the decode plan, today's path, the bytes floor",
+                   ",".join(MOE_SHAPES), DECODE_TOKENS),
     "act_quant": ("the activation quantizer at the K of the built-in models", ",".join(MODELS), TOKENS),
     "sweep_gemv": ("every tile of the Triton W4A16 decode kernel (data for the dispatch rules)", ",".join(MODELS),
                    TOKENS),
@@ -700,6 +858,12 @@ def run_kernel_bench(args: argparse.Namespace) -> int:
         rows = bench_linear(models, tokens, min_bytes, args.kernels.split(","))
     elif args.what == "moe":
         rows = bench_moe(models, tokens)
+    elif args.what == "moe_decode":
+        ceil |= empty_launch_us()
+        print(f"# empty launches: graph of two alone {ceil['graph_of_two_empty_kernels_us']:.2f} us, two inside a "
+              f"long graph {ceil['two_empty_kernels_in_a_long_graph_us']:.2f} us", flush=True)
+        rows = bench_moe_decode(models, tokens, args.min_bytes, ceil["dram_read_tbs"])
+        print("\n" + decode_markdown(rows), flush=True)
     elif args.what == "sweep_dequant_mm":
         rows = sweep_dequant_mm(models, tokens)
     elif args.what == "sweep_gemv":

@@ -174,7 +174,8 @@ def _compile_moe() -> str:
     gate_up.require_sass(SASS_OMMA_NVFP4).require_ptx(r"cvt\.rn\.satfinite\.e2m1x2\.f32")
     gate_up.require_no_local().require_smem()
     assert p4.impl == "triton", p4
-    p16 = plan_mod.select_moe_plan(Capability(120), num_tokens=1, w4a4=False, **shape)
+    # 4 routes per expert: the BLOCK_M 16 tier (smaller calls run the align-free decode kernels).
+    p16 = plan_mod.select_moe_plan(Capability(120), num_tokens=64, w4a4=False, **shape)
     d = p16.down
     sig, div = w16.MOE_W4A16_DOWN_SIGNATURE, list(w16.MOE_W4A16_DOWN_DIVISIBLE)
     if d.use_tma:

@@ -8,8 +8,8 @@ What is measured (pure functions, no GPU: :func:`linear_points`, :func:`moe_poin
   exactly the ``--tokens`` given;
 - *candidates* at a point: every tile of the kernels of its segment and of the two neighbouring segments, so both
   sides of a threshold are timed with both kernels, plus every decode kernel that serves this T (Gluon and Triton);
-  for MoE layers, the BLOCK_M tiers of those segments on Triton and Gluon, W4A16 and (W4A4 layers) W4A4.  (The MoE
-  decode kernels join once the MoE dispatch has a plan for them.)
+  for MoE layers, the BLOCK_M tiers of those segments on Triton and Gluon, W4A16 and (W4A4 layers) W4A4, and the
+  decode plan (``w4a16/decode/bm0``, its tiles at the point's T) where it or its neighbour segment is the table's.
 
 How (the bench's method, ``bench.py``): each candidate is first checked against the torch reference of ``format/``
 (relative error at most :data:`REL_TOL`) and left out if it fails or cannot run; the others are timed side by side
@@ -41,6 +41,7 @@ from .dispatch.hw import Capability, Family
 from .dispatch.linear import GLUON_GEMV_FAMILIES, LinearKernel, table_linear
 from .dispatch.moe import Impl, MoeKernel, table_moe_plan, tier_plan
 from .kernels.gluon_compat import gluon_enabled
+from .kernels.moe_decode import MAX_ROUTES as MAX_DECODE_ROUTES
 
 GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 MOE_GRID = (1, 4, 16, 64, 256, 1024, 4096)
@@ -190,8 +191,10 @@ def moe_points(cap: Capability, *, global_experts: int, top_k: int, hidden: int,
         for choice in valid:
             if choice["block_m"] not in block_ms or (choice["impl"] == Impl.GLUON and not gluon_enabled()):
                 continue
+            if choice["impl"] == Impl.DECODE and t * top_k > MAX_DECODE_ROUTES:
+                continue  # more routes than the decode kernels take
             plan = tier_plan(cap, MoeKernel(choice["kernel"]), choice["block_m"], hidden=hidden,
-                             intermediate=intermediate, impl=Impl(choice["impl"]))
+                             intermediate=intermediate, impl=Impl(choice["impl"]), num_tokens=t)
             cands.append(Candidate(choice, plan))
         builtin = moe_choice(table_moe_plan(cap, num_tokens=t, **shape))
         points.append(Point(configs.moe_family(w4a4), (global_experts, top_k, hidden, intermediate), name, t,
@@ -289,7 +292,7 @@ def dispatch_check(path: Path, cap: Capability, outcomes: list[Outcome]) -> list
             continue
         row = cf.rows(o.point.bucket, o.point.t)
         plan = None if row is None else (row.plan(cap, o.point.t, *o.point.bucket) if len(o.point.bucket) == 2
-                                         else row.plan(cap))
+                                         else row.plan(cap, o.point.t))
         if plan != o.winner.plan:
             bad.append(f"{o.point.bucket_name} T={o.point.t}: file gives {plan}, winner {o.winner.plan}")
     return bad

@@ -13,7 +13,7 @@ from vllm_nvfp4_sm120 import tune
 from vllm_nvfp4_sm120.dispatch import configs
 from vllm_nvfp4_sm120.dispatch.hw import Capability
 from vllm_nvfp4_sm120.dispatch.linear import DEQUANT_MM_MIN_T_PORTABLE, select_linear, table_linear
-from vllm_nvfp4_sm120.dispatch.moe import select_moe_plan, table_moe_plan
+from vllm_nvfp4_sm120.dispatch.moe import decode_tier_plan, select_moe_plan, table_moe_plan
 
 NO_GPU = not torch.cuda.is_available()
 DEVICE = "NVIDIA Test GPU"
@@ -106,6 +106,19 @@ def test_moe_points_around_the_w4a4_switch_and_gluon_tiers():
     for p in w4a16:
         assert p.builtin == tune.moe_choice(table_moe_plan(RTX, num_tokens=p.t, w4a4=False, **shape))
         assert any(c.choice == p.builtin for c in p.candidates) and all(c.plan is not None for c in p.candidates)
+
+
+def test_moe_points_time_the_decode_plan_against_the_tiers():
+    shape = dict(global_experts=128, top_k=8, hidden=2048, intermediate=768)
+    points = by_t(tune.moe_points(H200, w4a4=True, **shape))
+    decode = {"kernel": "w4a16", "impl": "decode", "block_m": 0}
+    assert points[32].builtin == decode and points[33].builtin["impl"] == "triton"  # the table's switch, both sides
+    for t in (1, 16, 32, 33):
+        cands = {c.label: c for c in points[t].candidates}
+        assert {"w4a16/decode/bm0", "w4a16/triton/bm16"} <= set(cands)
+        # The decode candidate runs the decode plan's tiles at the point's T.
+        assert cands["w4a16/decode/bm0"].plan == decode_tier_plan(H200, t, hidden=2048, intermediate=768)
+    assert all(c.choice["impl"] != "decode" for c in points[1024].candidates)
 
 
 # ---- winners and rows ----------------------------------------------------------------------------------------------

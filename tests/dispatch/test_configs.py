@@ -261,6 +261,32 @@ def test_unusable_moe_rows(folders, rows, reason):
     assert plan == table_moe_plan(RTX, num_tokens=4, w4a4=False, **MOE)
 
 
+def test_a_measured_decode_row(folders):
+    # The decode plan as a measured row names it (w4a16 / decode / BLOCK_M 0); its tiles follow T.
+    rows = [{"min_t": 1, "max_t": 2, "kernel": "w4a16", "impl": "triton", "block_m": 16},
+            {"min_t": 40, "max_t": 64, "kernel": "w4a16", "impl": "decode", "block_m": 0}]
+    write(folders[0], moe_doc(w4a4=False, rows=rows), family="moe_w4a16")
+    assert select_moe_plan(RTX, num_tokens=1, w4a4=False, **MOE).impl == "triton"
+    assert table_moe_plan(RTX, num_tokens=1, w4a4=False, **MOE).impl == "decode"
+    for t in (40, 64):
+        plan = select_moe_plan(RTX, num_tokens=t, w4a4=False, **MOE)
+        assert plan.impl == "decode" and plan == tier_plan(RTX, MoeKernel.W4A16, 0, hidden=2048, intermediate=768,
+                                                           impl=Impl.DECODE, num_tokens=t)
+    assert {"kernel": "w4a16", "impl": "decode", "block_m": 0} in configs.moe_choices(RTX, w4a4=True)
+    assert all(c["impl"] != "decode" for c in configs.moe_choices(Capability(80), w4a4=False))
+
+
+@pytest.mark.parametrize("row,why", [
+    ({"min_t": 1, "max_t": None, "kernel": "w4a16", "impl": "decode", "block_m": 0}, "reaches any T"),
+    ({"min_t": 1, "max_t": 200, "kernel": "w4a16", "impl": "decode", "block_m": 0}, "reaches T = 200 at top_k 8"),
+    ({"min_t": 1, "max_t": 8, "kernel": "w4a4", "impl": "decode", "block_m": 0}, "is not a tier"),
+    ({"min_t": 1, "max_t": 8, "kernel": "w4a16", "impl": "decode", "block_m": 16}, "is not a tier"),
+], ids=["open", "too-many-routes", "w4a4", "block-m"])
+def test_bad_decode_rows_are_refused(folders, row, why):
+    cf = configs.load_file(write(folders[0], moe_doc(w4a4=True, rows=[row]), family="moe_w4a4"))
+    assert cf.error is not None and why in cf.error, cf.error
+
+
 def test_moe_choices_follow_the_tier_tables():
     choices = configs.moe_choices(RTX, w4a4=True)
     assert {"kernel": "w4a4", "impl": "gluon", "block_m": 128} in choices

@@ -40,8 +40,8 @@ def compile_(kernel, sig, consts, divisible, num_warps=4, num_stages=3):
 def _gemm_jobs():
     jobs = {}
     for p in all_moe_plans(SM120):
-        if p.impl == "gluon":
-            continue  # the Gluon GEMM's tiles are compiled in test_gluon_moe.py
+        if p.impl in ("gluon", "decode"):
+            continue  # the Gluon GEMM's tiles are compiled in test_gluon_moe.py, the decode ones in test_moe_decode.py
         for which, tile in (("gate_up", p.gate_up), ("down", p.down)):
             if p.kernel == "w4a16":
                 mod = "vllm_nvfp4_sm120.kernels.moe_w4a16:"

@@ -53,6 +53,10 @@ DOT_GATE = DecodeTile(8, 32, 16, num_warps=4, num_stages=2, use_dot=True)  # 16 
 FMA1 = DecodeTile(16, 32, 1, num_warps=4, num_stages=2, use_dot=False)
 FMA2 = DecodeTile(16, 64, 2, num_warps=4, num_stages=2, use_dot=False)
 DOT_TMA = DecodeTile(16, 256, 16, num_warps=4, num_stages=2, use_dot=True, use_tma=True)
+# Split-K gate_up: K = 80 / 112 in 32-wide tiles = 3 / 4 tiles over 2 or 4 splits (an empty split at 4 x 1 of 3).
+SPLIT2 = DecodeTile(16, 32, 16, num_warps=4, num_stages=2, use_dot=True, split_k=2)
+SPLIT4_FMA = DecodeTile(16, 32, 1, num_warps=4, num_stages=2, use_dot=False, split_k=4)
+SPLIT2_TMA = DecodeTile(16, 256, 16, num_warps=4, num_stages=2, use_dot=True, use_tma=True, split_k=2)
 
 
 def _problem(t, e, k, h, i, *, dtype=torch.float16, skewed=False, with_map=False, ids_dtype=torch.int32, seed=0):
@@ -110,12 +114,18 @@ CASES = [
     (20, 8, 1, 80, 96, "silu", DOT, "expert", False, DOT, {"skewed": True}),  # 20 routes > BLOCK_T: 2 chunks
     (3, 8, 2, 256, 256, "silu", DOT_TMA, "token", False, DOT_TMA, {}),
     (3, 8, 2, 256, 256, "gelu_tanh", DOT_TMA, "expert", True, DOT_TMA, {"with_map": True}),
+    (1, 8, 2, 80, 96, "silu", SPLIT2, "expert", False, DOT, {}),
+    (3, 60, 2, 112, 96, "gelu_tanh", SPLIT2, "token", False, DOT, {"with_map": True}),
+    (5, 8, 2, 80, 96, "silu", SPLIT4_FMA, "expert", False, DOT, {}),  # by expert; one split has no K tile
+    (20, 8, 1, 112, 96, "silu", SPLIT2, "expert", True, DOT, {"skewed": True}),  # 2 chunks per program
+    (3, 8, 2, 512, 256, "silu", SPLIT2_TMA, "expert", False, DOT_TMA, {}),
 ]
 
 
 def _case_id(c):
     t, e, k, h, i, act, gt, down, det, dt, opts = c
-    kind = ("tma" if gt.use_tma else "dot" if gt.use_dot else f"fma{gt.block_t}")
+    kind = ("tma" if gt.use_tma else "dot" if gt.use_dot else f"fma{gt.block_t}") + (
+        f"-split{gt.split_k}" if gt.split_k > 1 else "")
     extra = "-".join(f"{n}" for n, v in opts.items() if v is True) + ("-i64" if "ids_dtype" in opts else "")
     return f"T{t}-E{e}-k{k}-H{h}-I{i}-{act}-{kind}-{down}{'-det' if det else ''}{'-' + extra if extra else ''}"
 
@@ -131,11 +141,13 @@ def test_layer_matches_reference(case):
 
 @pytest.mark.parametrize("down,tile", [("token", DOT), ("expert", DOT), ("token", FMA1)], ids=["token", "expert",
                                                                                           "token-fma"])
-def test_deterministic_twice_identical(down, tile):
-    # Token-major always, expert-major in deterministic mode: the same bits on every run.
+@pytest.mark.parametrize("gate", [DOT, SPLIT2], ids=["gate", "gate-split2"])
+def test_deterministic_twice_identical(down, tile, gate):
+    # Token-major always, expert-major in deterministic mode: the same bits on every run (split-K gate_up too:
+    # its splits are summed in split order).
     p = _problem(5, 8, 4, 80, 96, with_map=True)
-    a = _run(p, DOT, tile, down, deterministic=True)
-    b = _run(p, DOT, tile, down, deterministic=True)
+    a = _run(p, gate, tile, down, deterministic=True)
+    b = _run(p, gate, tile, down, deterministic=True)
     assert torch.equal(a, b)
     assert_moe_close(a, _ref(p))
 
@@ -250,6 +262,8 @@ def _compile(kind, tile: DecodeTile, extra: tuple = (), dtype: str = "bf16"):
     consts = ROUTING_CONSTS[kind] | dict(FAST_DECODE=True, EVEN_K=True) | tile.kernel_kwargs() | dict(extra)
     if kind != "gate_up":
         consts["PDL"] = tile.pdl
+    else:
+        consts["SPLIT_K"] = tile.split_k
     return compile_kernel(f"vllm_nvfp4_sm120.kernels.moe_decode:{name}", sig, consts, divisible=div,
                           num_warps=tile.num_warps, num_stages=tile.num_stages)
 
@@ -269,12 +283,35 @@ def _check_sass(rep, tile: DecodeTile):
         rep.require_ptx(r"prefetch\.global\.L2").require_ptx(r"griddepcontrol\.wait")
     if tile.use_dot:  # the pipelined loads are 16-byte asynchronous copies (the activations at least)
         rep.require_sass(SASS_CP_ASYNC_16B)
+    if tile.split_k > 1:  # the arrival count releases the partial sums; the last split reads them from L2
+        rep.require_ptx(r"atom\.global\.gpu\.acq_rel\.add").require_ptx(r"ld\.global\.cg")
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("job", _compile_jobs(), ids=lambda j: f"{j[0]}-{j[1]}")
 def test_sweep_candidates_compile_for_sm120(job):
     kind, _, tile = job
+    _check_sass(_compile(kind, tile), tile)
+
+
+def _dispatch_jobs():
+    """Every decode tile the dispatch can pick (``dispatch.moe.all_moe_plans``), TMA and pointer variants."""
+    from vllm_nvfp4_sm120.dispatch.hw import Capability
+    from vllm_nvfp4_sm120.dispatch.moe import all_moe_plans
+
+    jobs = {}
+    for p in all_moe_plans(Capability(120)):
+        if p.impl == "decode":
+            jobs[("gate_up", p.gate_up)] = None
+            jobs[(str(p.decode_down), p.down)] = None
+    return list(jobs)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("job", _dispatch_jobs(), ids=lambda j: f"{j[0]}-n{j[1].block_n}k{j[1].block_k}"
+                         f"w{j[1].num_warps}{'-tma' if j[1].use_tma else ''}")
+def test_dispatch_decode_tiles_compile_for_sm120(job):
+    kind, tile = job
     _check_sass(_compile(kind, tile), tile)
 
 
@@ -366,6 +403,26 @@ def test_gpu_every_sweep_candidate(name, t, gate_name, down_name):
     gate = SWEEP.GATE_UP[gate_name]
     kind, det, dtile = SWEEP.DOWN[down_name]
     assert_moe_close(_run(p, gate, dtile, kind, det), ref)
+
+
+SPLIT_GATE_UP = [n for n, tile in SWEEP.GATE_UP.items() if tile.split_k > 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_name", SPLIT_GATE_UP)
+@pytest.mark.parametrize("t", [1, 2, 3, 16])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "qwen3-next-80b", "odd"])
+def test_gpu_split_k_gate_up(name, t, gate_name):
+    # Every split's partial sums reach the last one to arrive, whatever the order: checked against the reference
+    # and bit-identical twice (the splits are summed in split order).
+    h, i, p, ref = _gpu_problem_and_ref(name, t)
+    gate = SWEEP.GATE_UP[gate_name]
+    if not md.tma_ok(h):
+        gate = replace(gate, use_tma=False, block_k=256)
+    _, kind, det, dtile = _gpu_tiles(h, i, down="expert-det")
+    a = _run(p, gate, dtile, kind, det)
+    assert_moe_close(a, ref)
+    assert torch.equal(a, _run(p, gate, dtile, kind, det))
 
 
 @pytest.mark.gpu

@@ -19,6 +19,7 @@ Schema (``schema_version`` 1)::
     linear ROW: {"min_t": 2, "max_t": 8, "kernel": "gluon_gemv_mma", "tile": {"block_t": 8, "num_warps": 4, ...},
                  "us": {"candidate": microseconds, ...}, "why": "..."}
     MoE ROW:    {"min_t": 1, "max_t": 64, "kernel": "w4a16", "impl": "triton", "block_m": 16, "us": ..., "why": ...}
+                (the decode plan: "kernel": "w4a16", "impl": "decode", "block_m": 0, its tiles per T from moe.py)
 
 ``min_t`` / ``max_t`` bound the batch size T (tokens of the call; ``max_t`` null: no upper bound); rows of a bucket
 do not overlap.  A linear row's ``tile`` is one of its kernel's tiles on the file's architecture (:func:`linear_tiles`;
@@ -47,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..kernels.moe_decode import MAX_ROUTES as MAX_DECODE_ROUTES
 from .hw import Capability, Family
 
 ENV_CONFIG_DIR = "VLLM_NVFP4_SM120_CONFIG_DIR"
@@ -292,6 +294,8 @@ def moe_choices(cap: Capability, w4a4: bool) -> list[dict]:
 
     kernels = (M.MoeKernel.W4A16, M.MoeKernel.W4A4) if w4a4 else (M.MoeKernel.W4A16,)
     impls = (M.Impl.TRITON, M.Impl.GLUON) if cap.family in GLUON_MOE_FAMILIES else (M.Impl.TRITON,)
+    if cap.family in M.DECODE_FAMILIES:  # the decode plan: w4a16 / decode / BLOCK_M 0, its tiles chosen per T
+        impls += (M.Impl.DECODE,)
     block_ms = sorted({p.block_m for p in M.all_moe_plans(cap)})
     # The shape only decides the TMA and epilogue-warp choices inside a plan, not whether the tier exists.
     return [{"kernel": str(kernel), "impl": str(impl), "block_m": block_m}
@@ -316,12 +320,15 @@ def _moe_row(row, where: str, w4a4: bool, file_cap: Capability, shape: tuple[int
         names = ", ".join("{kernel}/{impl}/{block_m}".format(**c) for c in valid)
         raise ConfigError(f"{where}: {choice} is not a tier this layer can run on {file_cap.family} (choices: {names})")
     kernel, impl, block_m = M.MoeKernel(choice["kernel"]), M.Impl(choice["impl"]), choice["block_m"]
-    _, _, hidden, intermediate = shape
+    _, top_k, hidden, intermediate = shape
+    if impl is M.Impl.DECODE and (hi is None or hi * top_k > MAX_DECODE_ROUTES):
+        raise ConfigError(f"{where}: the decode kernels take at most {MAX_DECODE_ROUTES} routes (T * top_k), the row "
+                          f"reaches {'any T' if hi is None else f'T = {hi}'} at top_k {top_k}")
 
-    def plan(cap: Capability):
+    def plan(cap: Capability, t: int):
         if impl is M.Impl.GLUON and not gluon_enabled():
             return None
-        return M.tier_plan(cap, kernel, block_m, hidden=hidden, intermediate=intermediate, impl=impl)
+        return M.tier_plan(cap, kernel, block_m, hidden=hidden, intermediate=intermediate, impl=impl, num_tokens=t)
 
     return MeasuredRow(lo, hi, choice, _timings(row, where), row.get("why", ""), plan)
 
@@ -470,7 +477,7 @@ def measured_moe_plan(cap: Capability, *, num_tokens: int, top_k: int, global_ex
     if cap.device is None:
         return None
     found = measured_row(cap, moe_family(w4a4), (global_experts, top_k, hidden, intermediate), num_tokens)
-    return None if found is None else found[1].plan(cap)
+    return None if found is None else found[1].plan(cap, num_tokens)
 
 
 # ---- what env and inspect report -----------------------------------------------------------------------------------

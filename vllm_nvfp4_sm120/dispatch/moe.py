@@ -19,9 +19,14 @@ launchers ``dispatch.registry.MOE_KERNELS`` names for its ``(kernel, impl)``.
   (``kernels/gluon_moe_w4a16.py``, ``kernels/gluon_moe_w4a4.py``; BLOCK_M 64 persistent, and there the W4A4 down
   GEMM below I = 1024 with separate epilogue warps) unless ``VLLM_NVFP4_SM120_DISABLE_GLUON=1``; everything else
   is Triton.
+* **Decode** (:data:`Impl.DECODE`, ``kernels/moe_decode.py``): small calls (T up to :data:`DECODE_MAX_TOKENS` and
+  fewer than ``W4A4_MIN_TOKENS_PER_EXPERT`` routes per expert, on sm_90 and sm_120) skip the align pass: the
+  routing tensors go straight into an align-free gate_up kernel and a down kernel with the top-k sum fused.  Weight
+  only (W4A16 numerics) for W4A16 and W4A4 checkpoints alike, as the tiers below 4 routes per expert.  Tiles per
+  T and shape in :data:`_DECODE_ROWS`; BLOCK_M is 0 (no row blocks).
 
 Tiles are compile-checked for sm_120 (no local memory, shared memory <= 99 KB) by ``tests/kernels/test_moe_compile.py``
-over :func:`all_moe_plans`.
+over :func:`all_moe_plans` (the decode tiles by ``tests/kernels/test_moe_decode.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from ..kernels.gluon_compat import gluon_enabled
+from ..kernels.moe_decode import MAX_ROUTES, DecodeTile, tma_ok
 from .configs import measured_moe_plan
 from .hw import Capability, Family
 
@@ -46,6 +52,14 @@ class Impl(StrEnum):
 
     TRITON = "triton"  # kernels/moe_w4a16.py, kernels/moe_w4a4.py
     GLUON = "gluon"  # kernels/gluon_moe_w4a16.py, kernels/gluon_moe_w4a4.py (warp-specialized)
+    DECODE = "decode"  # kernels/moe_decode.py (align-free, weight-only; MoeKernel.W4A16 only)
+
+
+class DecodeDown(StrEnum):
+    """Which down kernel a decode plan runs (``kernels/moe_decode.py``)."""
+
+    EXPERT = "expert"  # expert-major: each w2 block read once; fp32 atomics, or per-route rows when deterministic
+    TOKEN = "token"  # token-major: slot-order fp32 sum, bit-identical run to run in either mode
 
 
 W4A4_MIN_TOKENS_PER_EXPERT = 4
@@ -80,9 +94,9 @@ class GemmTile:
 @dataclass(frozen=True)
 class MoePlan:
     kernel: MoeKernel
-    block_m: int
-    gate_up: GemmTile
-    down: GemmTile
+    block_m: int  # 0 for decode plans (no alignment)
+    gate_up: GemmTile | DecodeTile  # DecodeTile for Impl.DECODE
+    down: GemmTile | DecodeTile
     fast_decode: bool = False  # W4A16: inline-PTX e2m1 decode
     decode: bool = False  # W4A4: exact self-decode + fp16 MMA instead of dot_scaled
     stream_weights: bool = False  # W4A16: weights evict-first
@@ -91,11 +105,16 @@ class MoePlan:
     # Whether each GEMM's weight codes (gate_up, down) can be read by TMA on this GPU and shape; the kernels with a
     # TMA path take it in their tile's use_tma (the Triton W4A4 GEMMs have none).
     tma: tuple[bool, bool] = (False, False)
+    decode_down: DecodeDown | None = None  # Impl.DECODE: which down kernel
 
     def gate_up_kwargs(self) -> dict:
+        if self.impl == Impl.DECODE:
+            return dict(tile=self.gate_up)
         return self._kwargs(self.gate_up)
 
     def down_kwargs(self) -> dict:
+        if self.impl == Impl.DECODE:
+            return dict(tile=self.down, by_expert=self.decode_down == DecodeDown.EXPERT)
         return self._kwargs(self.down)
 
     def _kwargs(self, tile: GemmTile) -> dict:
@@ -177,6 +196,79 @@ GLUON_DOWN_EPILOGUE_MAX_I = 1024
 GLUON_EPILOGUE_WARPS = 4
 
 
+# ---- decode: the align-free kernels (kernels/moe_decode.py) -------------------------------------------------------
+# The sweep candidates of benchmarks/moe_decode_sweep.py that won on the H200 (docs/benchmarks.md, "MoE decode
+# path", device run 17: every candidate exact against moe_ref; CUDA graphs, weights beyond L2, medians).
+DECODE_GATE_UP_TILES = {
+    "gu-n16k512-w2-tma": DecodeTile(16, 512, 16, num_warps=2, num_stages=3, use_dot=True, use_tma=True),
+    "gu-n32k256-w4-tma": DecodeTile(32, 256, 16, num_warps=4, num_stages=4, use_dot=True, use_tma=True),
+    "gu-n16k256-w2-tma": DecodeTile(16, 256, 16, num_warps=2, num_stages=4, use_dot=True, use_tma=True),
+}
+DECODE_DOWN_TILES = {
+    DecodeDown.EXPERT: DecodeTile(32, 256, 16, num_warps=2, num_stages=4, use_dot=True, use_tma=True),
+    DecodeDown.TOKEN: DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True),
+}
+# The largest T the table gives the decode plan: faster than today's path at every T <= 32 on the four measured
+# shapes (1.08-1.99x), slower at T = 64 on two of them (Qwen3-30B-A3B 0.89x, Qwen3-Next-80B 0.97x), so T = 64
+# stays on the tiers.
+DECODE_MAX_TOKENS = 32
+# The token-major down kernel from this T on where I <= DECODE_TOKEN_DOWN_MAX_I (measured: Qwen3-Next-80B, I = 512,
+# T = 4-32: tok-n16k256-w1 in the best pair of every point; the one shape measured with I <= 512).  Likely why: its
+# down GEMM is two K steps per route and with 512 experts few routes share one, so the expert-major dedupe saves
+# little against its atomics and tile counting.
+DECODE_TOKEN_DOWN_MIN_T = 4
+DECODE_TOKEN_DOWN_MAX_I = 512
+
+# (max T, gate_up tile, why).  The down kernel: expert-major (exp-n32k256-w2-tma; with ``deterministic`` the same
+# tile's per-route rows summed in slot order) except the token-major rule above.
+_H200_ROWS = (
+    (4, "gu-n16k512-w2-tma", "H200 run 17: in the best pair at T 1-4 on every shape but Qwen3-Next T = 2 (8-40 "
+                             "routes: few programs, long K steps keep more bytes in flight per program)"),
+    (16, "gu-n32k256-w4-tma", "H200 run 17: in the best pair at T 8-16 on every shape but Qwen3-235B T = 8"),
+    (DECODE_MAX_TOKENS, "gu-n16k256-w2-tma", "H200 run 17: in the best pair at T = 32 on three of four shapes "
+                                             "(DeepSeek-V3: gu-n32k256-w4-tma) and at T = 64 on all"),
+)
+_DECODE_ROWS = {
+    Family.SM90: _H200_ROWS,
+    # No sm_120 measurement yet: the sm_90 one (every tile compile-checked for sm_120: no local memory, <= 99 KB).
+    Family.SM120: tuple((t, name, why + "; the sm_90 measurement until an sm_120 run") for t, name, why in _H200_ROWS),
+}
+DECODE_FAMILIES = tuple(_DECODE_ROWS)
+
+
+def decode_tier_plan(cap: Capability, num_tokens: int, *, hidden: int, intermediate: int) -> MoePlan | None:
+    """The decode plan's tiles for ``num_tokens`` on ``cap`` (the last row's beyond :data:`DECODE_MAX_TOKENS`, for
+    ``tune`` and the benchmarks), TMA where the bank's K allows it; None where the decode kernels have no rows
+    (before sm_90, sm_100, the interpreter)."""
+    rows = _DECODE_ROWS.get(cap.family)
+    if rows is None:
+        return None
+    i, (_, name, _) = next(((i, r) for i, r in enumerate(rows) if num_tokens <= r[0]), (len(rows) - 1, rows[-1]))
+    token = num_tokens >= DECODE_TOKEN_DOWN_MIN_T and intermediate <= DECODE_TOKEN_DOWN_MAX_I
+    kind = DecodeDown.TOKEN if token else DecodeDown.EXPERT
+    gate_up, down = DECODE_GATE_UP_TILES[name], DECODE_DOWN_TILES[kind]
+    tma = tma_ok(hidden), tma_ok(intermediate)
+    if not tma[0]:  # pointer loads: a 512-wide K step with its pipeline spills on sm_120 (compile-checked)
+        gate_up = replace(gate_up, use_tma=False, block_k=min(gate_up.block_k, 256))
+    down = replace(down, use_tma=down.use_tma and tma[1])
+    return MoePlan(kernel=MoeKernel.W4A16, block_m=0, gate_up=gate_up, down=down, fast_decode=cap.cc is not None,
+                   impl=Impl.DECODE, tier=f"{cap.family}/decode/{i}/{kind}", tma=tma, decode_down=kind)
+
+
+def decode_plan(cap: Capability, *, num_tokens: int, top_k: int, global_experts: int, hidden: int,
+                intermediate: int) -> MoePlan | None:
+    """The table's decode plan for this call, or None (the tiers serve): T <= :data:`DECODE_MAX_TOKENS`, fewer
+    than ``W4A4_MIN_TOKENS_PER_EXPERT`` routes per expert (where the tiers run weight-only too, so a W4A4
+    checkpoint's numerics do not change with the path), every route in one program's id vector (``MAX_ROUTES``),
+    and the gate_up bank readable by TMA as measured (``H % 256 == 0``: every real checkpoint; pointer-load
+    variants are correct but unmeasured)."""
+    if not 1 <= num_tokens <= DECODE_MAX_TOKENS or num_tokens * top_k > MAX_ROUTES:
+        return None
+    if tokens_per_expert(num_tokens, top_k, global_experts) >= W4A4_MIN_TOKENS_PER_EXPERT or not tma_ok(hidden):
+        return None
+    return decode_tier_plan(cap, num_tokens, hidden=hidden, intermediate=intermediate)
+
+
 def tier_family(cap: Capability) -> Family:
     """Which tier tables serve ``cap``: sm_12x its own (99 KB of shared memory), sm_90 and newer the sm_90 ones
     (TMA, 227 KB), older GPUs and the interpreter the pointer-load ones (:data:`Family.OTHER`)."""
@@ -217,7 +309,19 @@ def select_moe_plan(
 
 def table_moe_plan(cap: Capability, *, num_tokens: int, top_k: int, global_experts: int, hidden: int,
                    intermediate: int, w4a4: bool) -> MoePlan:
-    """The built-in tiers' plan (the documented default; what ``tune`` measures against)."""
+    """The built-in tables' plan (the documented default; what ``tune`` measures against): the decode plan where
+    :func:`decode_plan` gives one, else the tiers'."""
+    decode = decode_plan(cap, num_tokens=num_tokens, top_k=top_k, global_experts=global_experts, hidden=hidden,
+                         intermediate=intermediate)
+    if decode is not None:
+        return decode
+    return tiers_moe_plan(cap, num_tokens=num_tokens, top_k=top_k, global_experts=global_experts, hidden=hidden,
+                          intermediate=intermediate, w4a4=w4a4)
+
+
+def tiers_moe_plan(cap: Capability, *, num_tokens: int, top_k: int, global_experts: int, hidden: int,
+                   intermediate: int, w4a4: bool) -> MoePlan:
+    """The tiers' plan (align + BLOCK_M GEMMs), decode rows aside: what the benchmarks time the decode plan against."""
     fam = tier_family(cap)
     m = tokens_per_expert(num_tokens, top_k, global_experts)
     kernel = MoeKernel.W4A4 if w4a4 and m >= W4A4_MIN_TOKENS_PER_EXPERT else MoeKernel.W4A16
@@ -279,14 +383,27 @@ def all_moe_plans(cap: Capability) -> list[MoePlan]:
                         gluon = as_gluon(plan, inter)
                         if gluon is not None and gluon not in plans:
                             plans.append(gluon)
+    # Decode: every row, on both down kernels (the token-major rule and determinism), with and without TMA.
+    for t in sorted({r[0] for r in _DECODE_ROWS.get(cap.family, ())}):
+        for inter in (4096, DECODE_TOKEN_DOWN_MAX_I, 4096 + 16, DECODE_TOKEN_DOWN_MAX_I - 16):
+            for hidden in (4096, 4096 + 16):
+                for tt in {t, max(t, DECODE_TOKEN_DOWN_MIN_T)}:
+                    plan = decode_tier_plan(cap, tt, hidden=hidden, intermediate=inter)
+                    if plan not in plans:
+                        plans.append(plan)
     return plans
 
 
 def tier_plan(cap: Capability, kernel: MoeKernel, block_m: int, *, hidden: int, intermediate: int,
-              impl: Impl = Impl.TRITON) -> MoePlan | None:
+              impl: Impl = Impl.TRITON, num_tokens: int = 1) -> MoePlan | None:
     """The plan of ``kernel``'s tier with this BLOCK_M on ``cap`` (on the Gluon GEMMs for ``impl`` gluon), with the
-    TMA choices of the shape; None when the tier tables have no such tier or Gluon no tile for it.  What a
-    measured config's row names, and what ``tune`` times."""
+    TMA choices of the shape; None when the tier tables have no such tier or Gluon no tile for it.  ``impl``
+    decode: the decode plan's tiles at ``num_tokens`` (``kernel`` w4a16, ``block_m`` 0 only).  What a measured
+    config's row names, and what ``tune`` times."""
+    if impl is Impl.DECODE:
+        if kernel is not MoeKernel.W4A16 or block_m != 0:
+            return None
+        return decode_tier_plan(cap, num_tokens, hidden=hidden, intermediate=intermediate)
     fam = tier_family(cap)
     for i, tier in enumerate(_tiers(kernel, fam)):
         if tier[1] == block_m:

@@ -6,6 +6,10 @@ The gated activation is the gate_up GEMM's epilogue (W4A4: it also quantizes the
 routing weight is the down GEMM's; the top-k sum is fp32 atomics into ``[T, H]`` or, ``deterministic``, a
 per-route buffer ``[T * top_k, H]`` summed in slot order.  Every buffer is sized from shapes (T, top_k, E, block
 size), nothing reads a device value on the host: the function is CUDA-graph safe and can be a torch custom op.
+
+Decode plans (``Impl.DECODE``, small T) skip the alignment: ``topk_ids`` (and ``expert_map``) go straight into the
+gate_up kernel (gated activation fused) and the down kernel (routing weight and top-k sum fused); see
+:func:`_run_decode`.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from ..format.checks import ACT_DTYPES, check_tensor
 from ..format.reference import ACTIVATIONS
 from ..kernels.common import interpreting
 from ..kernels.moe_align import moe_align, moe_sum
+from ..kernels.moe_decode import down_expert_workspace
 from ..kernels.moe_w4a4 import moe_quant_input
 from .hw import capability_of
 from .linear import act_quant_config
-from .moe import MoeKernel, MoePlan, select_moe_plan
+from .moe import DecodeDown, Impl, MoeKernel, MoePlan, select_moe_plan
 from .registry import MOE_KERNELS
 
 
@@ -92,6 +97,9 @@ def _run_kernels(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec,
     top_k = topk_ids.shape[1]
     if t == 0:
         return out
+    if plan.impl == Impl.DECODE:
+        return _run_decode(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
+                           expert_map, activation, deterministic, out, plan)
     # The top-k sum: fp32 atomics into [T, H], or one row per route summed in slot order.
     acc = torch.zeros((t * top_k if deterministic else t, h), dtype=torch.float32, device=x.device)
 
@@ -116,3 +124,23 @@ def _run_kernels(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec,
 
     # 5. fp32 sum → x.dtype (slot order in deterministic mode).
     return moe_sum(acc, top_k if deterministic else 1, out)
+
+
+def _run_decode(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, expert_map,
+                activation, deterministic, out, plan: MoePlan):
+    """The decode plan: two launches (three for the deterministic expert-major down), no alignment, buffers from
+    shapes.  Routing ids out of range contribute nothing (as ``-1`` in ``expert_map``): checking them would sync."""
+    gate_up, down = MOE_KERNELS[plan.kernel, plan.impl]
+    # The kernels read the routing as flat [T * top_k] vectors (no copy when already contiguous, vLLM's case).
+    topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
+    by_expert = plan.decode_down == DecodeDown.EXPERT
+    # Expert-major: fp32 sums + tile counts that the gate_up kernel's programs zero (atomic mode), or per-route
+    # rows (deterministic, summed in slot order); token-major needs none.
+    ws = (down_expert_workspace(x.shape[0], topk_ids.shape[1], w2_codes.shape[1], plan.down, deterministic, x.device)
+          if by_expert else None)
+    # 1. gate_up with the gated activation → intermediate [T * top_k, I], one row per route.
+    inter = gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, expert_map=expert_map, activation=activation,
+                    zero=ws if by_expert and not deterministic else None, **plan.gate_up_kwargs())
+    # 2. down with the routing weight and the top-k sum → out [T, H].
+    return down(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, ws, expert_map=expert_map,
+                deterministic=deterministic, out=out, **plan.down_kwargs())

@@ -3,7 +3,8 @@
 * :data:`LINEAR_KERNELS`: ``LinearKernel`` → an adapter with the linear op's arguments (the weight as the layer
   keeps it, the route's swizzled scales and activation scales) and the plan's tile as keywords.
 * :data:`MOE_KERNELS`: ``(MoeKernel, Impl)`` → the ``(gate_up, down)`` launchers of the MoE layer flow; the Gluon
-  ones take the Triton ones' arguments.
+  ones take the Triton ones' arguments; the decode pair (``Impl.DECODE``, W4A16 only) takes the routing tensors
+  directly (no alignment), its down one of the two down kernels by the plan's ``by_expert``.
 
 Plus the Gluon gemv on the tile the dispatch picks (:func:`gemv`), for tools and tests that call it directly.
 """
@@ -14,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..kernels import fp4_routes, gluon_gemv, gluon_moe_w4a4, gluon_moe_w4a16, moe_w4a4, moe_w4a16
+from ..kernels import fp4_routes, gluon_gemv, gluon_moe_w4a4, gluon_moe_w4a16, moe_decode, moe_w4a4, moe_w4a16
 from ..kernels.act_quant import quantize_act_nvfp4
 from ..kernels.w4a4_gemm import w4a4_gemm
 from ..kernels.w4a16_dequant import w4a16_dequant_mm
@@ -112,9 +113,22 @@ def gemv(x, w_codes, w_scales, w_dec_rows, *, bias=None, decode: int | None = No
 
 # ---- MoE: (gate_up, down) per (MoeKernel, Impl) ----------------------------------------------------------------
 
+def _decode_down(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, workspace, *, tile, by_expert: bool,
+                 expert_map=None, deterministic: bool = False, out=None):
+    """The decode plan's down kernel: expert-major into ``workspace`` (``moe_decode.down_expert_workspace``), or
+    token-major (no workspace; bit-identical run to run in either mode)."""
+    if by_expert:
+        return moe_decode.moe_decode_down_expert(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, workspace,
+                                                 tile=tile, expert_map=expert_map, deterministic=deterministic,
+                                                 out=out)
+    return moe_decode.moe_decode_down_token(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, tile=tile,
+                                            expert_map=expert_map, out=out)
+
+
 MOE_KERNELS: dict[tuple[MoeKernel, Impl], tuple[Callable, Callable]] = {
     (MoeKernel.W4A16, Impl.TRITON): (moe_w4a16.moe_w4a16_gate_up, moe_w4a16.moe_w4a16_down),
     (MoeKernel.W4A4, Impl.TRITON): (moe_w4a4.moe_w4a4_gate_up, moe_w4a4.moe_w4a4_down),
     (MoeKernel.W4A16, Impl.GLUON): (gluon_moe_w4a16.gluon_moe_w4a16_gate_up, gluon_moe_w4a16.gluon_moe_w4a16_down),
     (MoeKernel.W4A4, Impl.GLUON): (gluon_moe_w4a4.gluon_moe_w4a4_gate_up, gluon_moe_w4a4.gluon_moe_w4a4_down),
+    (MoeKernel.W4A16, Impl.DECODE): (moe_decode.moe_decode_gate_up, _decode_down),
 }

@@ -16,7 +16,10 @@ Kernels (weight-only numerics, as ``format.moe_ref(..., a13_gs=None, a2_gs=None)
   expert's w13 bytes are read from DRAM once per call however many tokens share it.  Epilogue
   ``act(gate * dec) * (up * dec)`` in fp32 → the intermediate ``[T * top_k, I]`` in ``x.dtype``, one row per
   route (rows of routes no local expert takes are left unwritten; nobody reads them).  Its programs can also zero
-  the fp32 workspace the atomic down kernel adds into (they run first).
+  the fp32 workspace the atomic down kernel adds into (they run first).  ``split_k`` tiles split each program's K
+  loop over that many programs (more decode warps in flight at small T): each stores its fp32 partial sums in its
+  own slice, and the last to arrive (an acq_rel count, zeroed by the launcher) sums the slices in split order and
+  applies the epilogue, so the result is still bit-identical run to run.
 * ``_moe_decode_down_token_kernel`` — token-major: grid ``(T, cdiv(H, BLOCK_N))``; one program loops over its
   token's ``top_k`` slots and K tiles in one flattened, pipelined loop, multiplies each partial product by
   ``w2_dec[e] * topk_weight`` and sums in fp32 in slot order, then stores ``x.dtype``.  No atomics, no zeroing,
@@ -82,7 +85,9 @@ class DecodeTile:
     (every weight byte is read once per call).  ``pdl`` (down kernels, GPU): launched as a programmatic dependent of
     the gate_up kernel (which signals at its start), a program computes its routing and prefetches its weight rows
     into L2 while the gate_up kernel finishes, then waits for it (``griddepcontrol.wait``) before touching anything it
-    wrote or anything later kernels read.
+    wrote or anything later kernels read.  ``split_k`` (gate_up): the K loop of each (route group, column block)
+    split over ``split_k`` programs, fp32 partial sums summed in split order by the last one (more programs, hence
+    more decode warps in flight, when T is small).
     """
 
     block_n: int
@@ -94,9 +99,10 @@ class DecodeTile:
     use_tma: bool = False
     evict_first: bool = False
     pdl: bool = False
+    split_k: int = 1  # gate_up only: K splits, each its own program (see _gate_up_split)
 
     def __post_init__(self):
-        for name in ("block_n", "block_k", "block_t", "num_warps"):
+        for name in ("block_n", "block_k", "block_t", "num_warps", "split_k"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"DecodeTile.{name}: expected a power of two, got {v}")
@@ -146,12 +152,12 @@ _BANK = {"w_ptr": "*u8", "w_sf_ptr": "*u8", "w_desc": "*u8", "s_desc": "*u8", "w
 _DOWN_INTS = {k: "i32" for k in ("S", "H", "K", "E", "GLOBAL_E", "top_k", "stride_am", "stride_we", "stride_wn",
                                  "stride_wse", "stride_wsn", "stride_om")}
 MOE_DECODE_GATE_UP_SIGNATURE = {
-    "x_ptr": "*bf16", **_BANK, "out_ptr": "*bf16", "zero_ptr": "*fp32",
+    "x_ptr": "*bf16", **_BANK, "out_ptr": "*bf16", "zero_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32",
     **{k: "i32" for k in ("S", "I", "K", "E", "GLOBAL_E", "top_k", "zero_numel", "zero_chunk", "stride_xt",
                           "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_om")},
     "ACTIVATION": "constexpr", "HAS_MAP": "constexpr", "BY_EXPERT": "constexpr", "ZERO": "constexpr",
     "S_BLOCK": "constexpr", "FAST_DECODE": "constexpr", "EVEN_K": "constexpr", "GDC": "constexpr",
-    **_TILE_CONSTEXPRS,
+    "SPLIT_K": "constexpr", **_TILE_CONSTEXPRS,
 }
 MOE_DECODE_DOWN_TOKEN_SIGNATURE = {
     "a_ptr": "*bf16", **_BANK, "tw_ptr": "*fp32", "out_ptr": "*bf16", **_DOWN_INTS,
@@ -510,8 +516,21 @@ def _expert_rows_product(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok
                          EVICT_FIRST: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr):
     """``[ROWS, BLOCK_T]`` fp32: one expert's weight rows (see :func:`_load_tile`) times the activation rows
     ``a_rows`` of ``a``, over K."""
+    return _expert_rows_product_range(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, desc_p, desc_n, a_ptr,
+                                      a_rows, a_ok, stride_a, 0, K, K, ROWS, BLOCK_K, BLOCK_T, USE_DOT, USE_TMA,
+                                      FAST_DECODE, EVICT_FIRST, EVEN_K, NUM_STAGES)
+
+
+@triton.jit
+def _expert_rows_product_range(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, desc_p, desc_n, a_ptr,
+                               a_rows, a_ok, stride_a, k_lo, k_hi, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                               BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+                               FAST_DECODE: tl.constexpr, EVICT_FIRST: tl.constexpr, EVEN_K: tl.constexpr,
+                               NUM_STAGES: tl.constexpr):
+    """:func:`_expert_rows_product` over the K tiles ``k_lo .. k_hi`` (multiples of ``BLOCK_K``; the bank's K masks
+    the last one)."""
     acc = _acc_init(ROWS, BLOCK_K, BLOCK_T, USE_DOT)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         w, s = _load_tile(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, desc_p, desc_n, k0, K, ROWS,
                           BLOCK_K, USE_TMA, EVICT_FIRST, EVEN_K)
         a = _load_act(a_ptr, a_rows, a_ok, stride_a, k0, K, BLOCK_K, EVEN_K)
@@ -528,28 +547,85 @@ def _zero_slice(zero_ptr, pid, zero_numel, zero_chunk, ZERO_BLOCK: tl.constexpr)
                  mask=(start + offs < zero_numel) & (offs < zero_chunk))
 
 
+@triton.jit
+def _gate_up_split(x_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, out_ptr, part_ptr, cnt_ptr, row, pid_n, kid,
+                   e, seen, count, S, I, K, top_k, stride_xt, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+                   num_n, ACTIVATION: tl.constexpr, FAST_DECODE: tl.constexpr, EVEN_K: tl.constexpr,
+                   USE_TMA: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr, EVICT_FIRST: tl.constexpr,
+                   NUM_STAGES: tl.constexpr):
+    """The gate_up program of K split ``kid``: its fp32 partial sums of the stacked tile go to ``part [SPLIT_K, S,
+    2I]`` (plain stores: each split has its own slice), and the last split of (grid row, column block) to arrive,
+    counted in ``cnt`` (zeroed by the launcher), sums the slices in split order, applies the activation and stores
+    the intermediate: SPLIT_K times the programs at small T, bit-identical run to run."""
+    r = tl.arange(0, 2 * BLOCK_N)
+    col = pid_n * BLOCK_N + r % BLOCK_N
+    w_row = ((r // BLOCK_N) * I + col).to(tl.int64)
+    row_ok = col < I
+    e64 = e.to(tl.int64)
+    w_rows = e64 * stride_we + w_row * stride_wn
+    s_rows = e64 * stride_wse + w_row * stride_wsn
+    steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    k_lo = kid * steps * BLOCK_K
+    k_hi = tl.minimum(k_lo + steps * BLOCK_K, K)
+    slice_numel = S.to(tl.int64) * 2 * I
+    for c0 in range(0, count, BLOCK_T):
+        route, r_ok = _chunk_routes(seen, c0, count, BLOCK_T)
+        acc = _expert_rows_product_range(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, 2 * e,
+                                         pid_n * BLOCK_N, x_ptr, route // top_k, r_ok, stride_xt, k_lo, k_hi, K,
+                                         2 * BLOCK_N, BLOCK_K, BLOCK_T, USE_DOT, USE_TMA, FAST_DECODE, EVICT_FIRST,
+                                         EVEN_K, NUM_STAGES)
+        p_ptrs = part_ptr + kid * slice_numel + route[None, :].to(tl.int64) * (2 * I) + w_row[:, None]
+        tl.store(p_ptrs, acc, mask=row_ok[:, None] & r_ok[None, :])
+    tl.debug_barrier()  # every thread's partial sums before the release of the count
+    done = tl.atomic_add(cnt_ptr + row * num_n + pid_n, 1, sem="acq_rel")
+    if done == SPLIT_K - 1:
+        tl.debug_barrier()
+        dec = tl.load(w_dec_ptr + e)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        for c0 in range(0, count, BLOCK_T):
+            route, r_ok = _chunk_routes(seen, c0, count, BLOCK_T)
+            mask = row_ok[:, None] & r_ok[None, :]
+            p_ptrs = part_ptr + route[None, :].to(tl.int64) * (2 * I) + w_row[:, None]
+            total = tl.zeros((2 * BLOCK_N, BLOCK_T), dtype=tl.float32)
+            for j in tl.static_range(SPLIT_K):  # split order: the same bits on every run
+                # .cg: the other splits' sums are in L2; this SM's L1 may hold a stale line.
+                total += tl.load(p_ptrs + j * slice_numel, mask=mask, other=0.0, cache_modifier=".cg")
+            gate, up = total.reshape(2, BLOCK_N, BLOCK_T).permute(1, 2, 0).split()
+            inter = gated_activation_f32(gate * dec, up * dec, ACTIVATION)
+            out_ptrs = out_ptr + route[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+            tl.store(out_ptrs, inter.to(out_ptr.dtype.element_ty), mask=(offs_n < I)[:, None] & r_ok[None, :])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _moe_decode_gate_up_kernel(
-    x_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, ids_ptr, map_ptr, out_ptr, zero_ptr,
+    x_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, ids_ptr, map_ptr, out_ptr, zero_ptr, part_ptr, cnt_ptr,
     S, I, K, E, GLOBAL_E, top_k, zero_numel, zero_chunk,
     stride_xt, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     ACTIVATION: tl.constexpr, HAS_MAP: tl.constexpr, BY_EXPERT: tl.constexpr, ZERO: tl.constexpr,
     S_BLOCK: tl.constexpr, FAST_DECODE: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
-    GDC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr,
-    EVICT_FIRST: tl.constexpr, NUM_STAGES: tl.constexpr,
+    GDC: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+    USE_DOT: tl.constexpr, EVICT_FIRST: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     # A down kernel launched as a programmatic dependent may start its prologue (routing, L2 prefetch of its
     # weights: nothing this kernel writes) as soon as every program here has started.
     _gdc_launch_dependents(GDC)
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
+    kid = tl.program_id(2)  # the K split (SPLIT_K > 1)
     if ZERO:  # the atomic down kernel's accumulator, one slice per program (every program, live or not)
-        _zero_slice(zero_ptr, row * tl.num_programs(1) + pid_n, zero_numel, zero_chunk, _ZERO_BLOCK)
+        if kid == 0:
+            _zero_slice(zero_ptr, row * tl.num_programs(1) + pid_n, zero_numel, zero_chunk, _ZERO_BLOCK)
     live, e, seen, count = _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E, HAS_MAP, BY_EXPERT, S_BLOCK)
-    if live:
+    if live and SPLIT_K > 1:
+        _gate_up_split(x_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, out_ptr, part_ptr, cnt_ptr, row, pid_n, kid,
+                       e, seen, count, S, I, K, top_k, stride_xt, stride_we, stride_wn, stride_wse, stride_wsn,
+                       stride_om, tl.num_programs(1), ACTIVATION, FAST_DECODE, EVEN_K, USE_TMA, SPLIT_K, BLOCK_N,
+                       BLOCK_K, BLOCK_T, USE_DOT, EVICT_FIRST, NUM_STAGES)
+    elif live:
         # Stacked tile: rows 0..BLOCK_N are gate rows n, rows BLOCK_N..2 BLOCK_N the up rows I + n (the TMA box
         # [2, BLOCK_N, .] of the bank viewed as [2E, I, K/2]).
         r = tl.arange(0, 2 * BLOCK_N)
@@ -872,18 +948,23 @@ def moe_decode_gate_up(
             zero.zero_()
         return out
     rows = min(s, e)  # one grid row per slot, or per local expert when that is fewer programs
-    grid = (rows, triton.cdiv(i, tile.block_n))
+    grid = (rows, triton.cdiv(i, tile.block_n), tile.split_k)
     programs = grid[0] * grid[1]
+    part = cnt = w13_dec  # unused without split_k
+    if tile.split_k > 1:  # per-split partial sums (each slice fully written where read) and zeroed arrival counts
+        part = torch.empty(tile.split_k * s * two_i, dtype=torch.float32, device=x.device)
+        cnt = torch.zeros(rows * grid[1], dtype=torch.int32, device=x.device)
     zero_numel = zero.numel() if zero is not None else 0
     zero_chunk = -(-zero_numel // programs) if zero is not None else 0
     w_desc, s_desc = _descriptors("w13", w13_codes, w_sf, 2, tile)
     _moe_decode_gate_up_kernel[grid](
         x, w13_codes, w_sf, w_desc, s_desc, w13_dec, topk_ids, emap, out, zero if zero is not None else w13_dec,
-        s, i, h, e, global_e, k, zero_numel, zero_chunk,
+        part, cnt, s, i, h, e, global_e, k, zero_numel, zero_chunk,
         x.stride(0), w13_codes.stride(0), w13_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0),
         ACTIVATION=activation, HAS_MAP=has_map, BY_EXPERT=rows < s, ZERO=zero is not None,
         S_BLOCK=_route_block(s), FAST_DECODE=_fast_decode(x.device), EVEN_K=h % tile.block_k == 0,
-        GDC=_gdc_ok(x.device), **tile.kernel_kwargs(), num_warps=tile.num_warps, num_stages=tile.num_stages,
+        GDC=_gdc_ok(x.device), SPLIT_K=tile.split_k, **tile.kernel_kwargs(), num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
     return out
 
@@ -904,6 +985,8 @@ def _check_down(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expe
         out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
     check_tensor("out", out, dtype=inter.dtype, shape=[t, h], last_dim_contiguous=True, device=inter.device)
     tile.check_rows(tile.block_n, kernel)
+    if tile.split_k != 1:
+        raise ValueError(f"tile: split_k is a gate_up option, the {kernel} kernel has none (got {tile.split_k})")
     return w_sf, e, h, i, t, k, global_e, emap, has_map, out
 
 
