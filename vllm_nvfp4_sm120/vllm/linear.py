@@ -31,6 +31,7 @@ from ..dispatch import linear as dispatch_linear
 from ..dispatch import ops as _ops  # noqa: F401  (registers torch.ops.nvfp4_sm120.linear / .flashinfer_w4a16)
 from ..dispatch import vendor
 from ..dispatch.hw import Capability, capability_of
+from ..dispatch.shards import shard_refusal
 from ..dispatch.linear import AUTO_BACKEND, ROUTE_PREFILL, Route, backend_name
 from ..format import check_tensor
 from . import scale_policy
@@ -62,6 +63,18 @@ def requested_backends() -> set[str]:
 def _capability_of(layer: torch.nn.Module) -> Capability:
     """What the vendor requirements take: vLLM's view of the GPU, else the weight's (non-CUDA) device."""
     return current_capability() or capability_of(layer.weight.device)
+
+
+def refuse_unservable_shard(layer: torch.nn.Module, k_per_rank: int) -> None:
+    """Raise at load when this rank's K cannot be served by any NVFP4 kernel (``dispatch.shards``).
+
+    A ``ValueError``, not a fallback: no NVFP4 kernel takes a K that is not whole 16-blocks, so vLLM's next kernel
+    would serve wrong block scales or fail at the first forward.  Every rank has the same K, so every rank raises.
+    """
+    full = getattr(layer, "input_size", None) or k_per_rank
+    tp = getattr(layer, "tp_size", 1) if k_per_rank != full else 1
+    if (why := shard_refusal(layer_name(layer), "K", full, k_per_rank, tp)) is not None:
+        raise ValueError(why)
 
 
 def layer_is_w4a4(layer: torch.nn.Module) -> bool:
@@ -116,6 +129,7 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         w4a4 = layer_is_w4a4(layer)
         kind = f"{type(layer).__name__} {'W4A4' if w4a4 else 'W4A16'}"
+        refuse_unservable_shard(layer, layer.weight.shape[-1] * 2)
         n, k = self._check_layer(layer)
         if (why := self.layer_refusal(layer, n, k, w4a4)) is not None:
             self._fallback = fallback_kernel(use_a16=not w4a4, exclude=(type(self),))

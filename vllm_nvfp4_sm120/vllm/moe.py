@@ -43,6 +43,7 @@ from vllm.model_executor.utils import replace_parameter
 from ..dispatch import moe_ops  # registers torch.ops.nvfp4_sm120.moe: it must exist before any apply is traced
 from ..dispatch import vendor
 from ..dispatch.linear import AUTO_BACKEND
+from ..dispatch.shards import shard_refusal
 from ..format import check_tensor
 from . import scale_policy
 from .log import layer_name
@@ -227,6 +228,12 @@ class Sm120NvFp4Experts(mk.FusedMoEExpertsModular):
         """The ``process_weights_after_loading`` of ``method`` (ModelOpt or compressed-tensors) for our experts."""
         name = layer_name(layer)
         w4a4 = not method.use_a16
+        # The down GEMM's K is this rank's share of I; a share that is not whole 16-blocks has no NVFP4 kernel
+        # (vLLM's MoE backends included: its w2 scales were loaded rounded down), so refuse, on every rank alike.
+        moe = method.moe
+        if (why := shard_refusal(name, "intermediate size I", moe.intermediate_size,
+                                 moe.intermediate_size_per_partition, moe.moe_parallel_config.tp_size)) is not None:
+            raise ValueError(why)
         if fmt == COMPRESSED_TENSORS:
             # The modular kernel expects vLLM's `w13_weight` / `w2_weight` names (CT's own processing renames too).
             for n in ("w13", "w2"):
