@@ -36,6 +36,7 @@ from ..dispatch.linear import AUTO_BACKEND, ROUTE_PREFILL, Route, backend_name
 from ..format import check_tensor
 from . import scale_policy
 from .log import layer_name, log_once
+from .numerics import apply_numerics_policy
 from .platform import current_capability
 
 _W_DEC_ROWS = "_nvfp4_sm120_w_dec_rows"
@@ -130,6 +131,7 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
         w4a4 = layer_is_w4a4(layer)
         kind = f"{type(layer).__name__} {'W4A4' if w4a4 else 'W4A16'}"
         refuse_unservable_shard(layer, layer.weight.shape[-1] * 2)
+        apply_numerics_policy()
         n, k = self._check_layer(layer)
         if (why := self.layer_refusal(layer, n, k, w4a4)) is not None:
             self._fallback = fallback_kernel(use_a16=not w4a4, exclude=(type(self),))

@@ -47,6 +47,7 @@ from ..dispatch.shards import shard_refusal
 from ..format import check_tensor
 from . import scale_policy
 from .log import layer_name
+from .numerics import apply_numerics_policy
 from .platform import current_capability
 from .scale_policy import COMPRESSED_TENSORS, MODELOPT  # noqa: F401  (the formats prepare_layer takes)
 
@@ -234,6 +235,7 @@ class Sm120NvFp4Experts(mk.FusedMoEExpertsModular):
         if (why := shard_refusal(name, "intermediate size I", moe.intermediate_size,
                                  moe.intermediate_size_per_partition, moe.moe_parallel_config.tp_size)) is not None:
             raise ValueError(why)
+        apply_numerics_policy()
         if fmt == COMPRESSED_TENSORS:
             # The modular kernel expects vLLM's `w13_weight` / `w2_weight` names (CT's own processing renames too).
             for n in ("w13", "w2"):

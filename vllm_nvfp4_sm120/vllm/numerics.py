@@ -1,0 +1,32 @@
+"""The batch numerics policy the dispatch follows, from the environment and vLLM's batch-invariant mode.
+
+``VLLM_NVFP4_SM120_DECODE=w4a16`` (default) or ``w4a4``, and vLLM's ``VLLM_BATCH_INVARIANT``; what each means is
+``dispatch/policy.py``'s.  Read at load (every layer's weight processing; the last read wins, and the values do not
+change within a process) and handed to the dispatch, which the ops consult per call.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..dispatch.policy import NumericsPolicy, current_policy, parse_decode, set_policy
+from .log import log_once
+
+DECODE_ENV = "VLLM_NVFP4_SM120_DECODE"
+
+
+def apply_numerics_policy() -> NumericsPolicy:
+    """Set the dispatch's policy from the environment; an invalid ``VLLM_NVFP4_SM120_DECODE`` raises ValueError."""
+    import vllm.envs as envs
+
+    policy = NumericsPolicy(decode=parse_decode(os.environ.get(DECODE_ENV), DECODE_ENV),
+                            batch_invariant=bool(envs.VLLM_BATCH_INVARIANT))
+    if policy != current_policy():
+        set_policy(policy)
+    if policy != NumericsPolicy():
+        log_once("info", ("numerics", policy),
+                 "nvfp4_sm120: %s: W4A4 checkpoints run W4A4 at every batch size%s",
+                 "VLLM_BATCH_INVARIANT=1" if policy.batch_invariant else f"{DECODE_ENV}={policy.decode}",
+                 ", with one kernel and tile per layer and the MoE top-k sum in slot order"
+                 if policy.batch_invariant else "")
+    return policy
