@@ -29,13 +29,14 @@ from vllm.model_executor.utils import replace_parameter
 
 from ..dispatch import linear as dispatch_linear
 from ..dispatch import ops as _ops  # noqa: F401  (registers torch.ops.nvfp4_sm120.linear / .flashinfer_w4a16)
-from ..dispatch import vendor
+from ..dispatch import guard, vendor
 from ..dispatch.hw import Capability, capability_of
 from ..dispatch.shards import shard_refusal
 from ..dispatch.linear import AUTO_BACKEND, ROUTE_PREFILL, Route, backend_name
 from ..format import check_tensor
 from . import scale_policy
 from .log import layer_name, log_once
+from . import numerics
 from .numerics import apply_numerics_policy
 from .platform import current_capability
 
@@ -134,18 +135,42 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
         apply_numerics_policy()
         n, k = self._check_layer(layer)
         if (why := self.layer_refusal(layer, n, k, w4a4)) is not None:
-            self._fallback = fallback_kernel(use_a16=not w4a4, exclude=(type(self),))
+            self._fall_back(layer, w4a4)
             log_once(
                 "warning", (kind, self.route, "fallback", why),
                 "nvfp4_sm120: route %s cannot take NVFP4 %s layers (first: %s): %s; using %s instead",
                 self.route, kind, layer_name(layer), why, type(self._fallback).__name__,
             )
-            scale_policy.drop_part_globals(layer)
+            self._fallback.process_weights_after_loading(layer)
+            return
+        if (failed := self._guard(layer, n, k)) is not None:
+            self._fall_back(layer, w4a4)
+            log_once(
+                "error", ("guard", failed.key),
+                "nvfp4_sm120: numerics guard: layer %s: %s; the layer runs vLLM's %s instead "
+                "(VLLM_NVFP4_SM120_GUARD=strict fails the load)",
+                layer_name(layer), failed.describe(), type(self._fallback).__name__,
+            )
             self._fallback.process_weights_after_loading(layer)
             return
         self._prepare_layer(layer, w4a4)
         log_once("info", (kind, self.route, type(self).__name__),
                   "nvfp4_sm120: NVFP4 %s layers use %s (route %s)", kind, type(self).__name__, self.route)
+
+    def _fall_back(self, layer: torch.nn.Module, w4a4: bool) -> None:
+        self._fallback = fallback_kernel(use_a16=not w4a4, exclude=(type(self),))
+        scale_policy.drop_part_globals(layer)
+
+    def _guard(self, layer: torch.nn.Module, n: int, k: int) -> guard.GuardResult | None:
+        """The first plan of this layer's shape that fails the numerics guard on this GPU (``dispatch/guard.py``),
+        or None.  Runs on a synthetic problem of the layer's shape, before the layer is prepared, so a failure
+        leaves the checkpoint's tensors as they were for vLLM's kernel."""
+        try:
+            results = guard.guard_linear(self.route, n, k, activation_dtype(layer), layer.weight.device,
+                                         mode=numerics.guard_mode(), force=numerics.FORCE_GUARD)
+        except guard.NumericsGuardError as e:
+            raise guard.NumericsGuardError(f"NVFP4 layer {layer_name(layer)}: {e}") from None
+        return next((r for r in results if not r.ok), None)
 
     @staticmethod
     def _check_layer(layer: torch.nn.Module) -> tuple[int, int]:

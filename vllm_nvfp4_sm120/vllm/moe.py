@@ -41,12 +41,13 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import QuantKey, 
 from vllm.model_executor.utils import replace_parameter
 
 from ..dispatch import moe_ops  # registers torch.ops.nvfp4_sm120.moe: it must exist before any apply is traced
-from ..dispatch import vendor
+from ..dispatch import guard, vendor
 from ..dispatch.linear import AUTO_BACKEND
 from ..dispatch.shards import shard_refusal
 from ..format import check_tensor
 from . import scale_policy
-from .log import layer_name
+from . import numerics
+from .log import layer_name, log_once
 from .numerics import apply_numerics_policy
 from .platform import current_capability
 from .scale_policy import COMPRESSED_TENSORS, MODELOPT  # noqa: F401  (the formats prepare_layer takes)
@@ -252,6 +253,8 @@ class Sm120NvFp4Experts(mk.FusedMoEExpertsModular):
             replace_parameter(layer, A2_ENC, scale_policy.static_input_enc(a2.dec, f"{name}.w2_input_scale",
                                                                             parallel))
 
+        cls._guard(method, layer, name, w4a4)
+
         method.moe_quant_config = method.get_fused_moe_quant_config(layer)
         method.moe_kernel = oracle.make_nvfp4_moe_kernel(
             moe_quant_config=method.moe_quant_config,
@@ -261,6 +264,26 @@ class Sm120NvFp4Experts(mk.FusedMoEExpertsModular):
             routing_tables=layer._expert_routing_tables(),
         )
         method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    @staticmethod
+    def _guard(method, layer: torch.nn.Module, name: str, w4a4: bool) -> None:
+        """The numerics guard on this layer's shape (``dispatch/guard.py``): a plan that fails on this GPU is
+        replaced by the portable Triton plan of its tier for every layer of the shape, with one error line."""
+        moe = method.moe
+        try:
+            outcome = guard.guard_moe(
+                hidden=layer.w13_weight.shape[2] * 2, intermediate=layer.w2_weight.shape[2] * 2,
+                global_experts=moe.num_experts, top_k=moe.experts_per_token, w4a4=w4a4, dtype=moe.in_dtype,
+                device=layer.w13_weight.device, mode=numerics.guard_mode(), force=numerics.FORCE_GUARD)
+        except guard.NumericsGuardError as e:
+            raise guard.NumericsGuardError(f"NVFP4 MoE layer {name}: {e}") from None
+        failed = {r.key: r for r in outcome.results if not r.ok}
+        for plan, fallback in outcome.fallbacks.items():
+            why = next((r for r in failed.values() if r.key[1] == plan), None)
+            log_once("error", ("guard", plan, fallback),
+                     "nvfp4_sm120: numerics guard: MoE layer %s: %s; its shape runs %s/%s tier %s instead "
+                     "(VLLM_NVFP4_SM120_GUARD=strict fails the load)",
+                     name, why.describe() if why else plan, fallback.kernel, fallback.impl, fallback.tier)
 
     @classmethod
     def serves(cls, method) -> bool:

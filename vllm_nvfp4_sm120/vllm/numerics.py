@@ -1,4 +1,4 @@
-"""The batch numerics policy the dispatch follows, from the environment and vLLM's batch-invariant mode.
+"""What the glue hands the dispatch from the environment: the batch numerics policy and the numerics guard's mode.
 
 ``VLLM_NVFP4_SM120_DECODE=w4a16`` (default) or ``w4a4``, and vLLM's ``VLLM_BATCH_INVARIANT``; what each means is
 ``dispatch/policy.py``'s.  Read at load (every layer's weight processing; the last read wins, and the values do not
@@ -9,10 +9,19 @@ from __future__ import annotations
 
 import os
 
+from ..dispatch.guard import GuardMode, parse_mode
 from ..dispatch.policy import NumericsPolicy, current_policy, parse_decode, set_policy
 from .log import log_once
 
 DECODE_ENV = "VLLM_NVFP4_SM120_DECODE"
+GUARD_ENV = "VLLM_NVFP4_SM120_GUARD"
+# The guard checks kernels on CUDA tensors only; tests set this to run it on CPU tensors (with faked launchers).
+FORCE_GUARD = False
+
+
+def guard_mode() -> GuardMode:
+    """``VLLM_NVFP4_SM120_GUARD``: ``1`` (default), ``strict`` or ``0``; another value fails the load."""
+    return parse_mode(os.environ.get(GUARD_ENV), GUARD_ENV)
 
 
 def apply_numerics_policy() -> NumericsPolicy:
