@@ -73,9 +73,22 @@ def test_parse_mode_rejects_other_values():
         G.parse_mode("maybe", "VLLM_NVFP4_SM120_GUARD")
 
 
-def test_probe_ts_reach_every_row_boundary():
-    ts = G.probe_ts(8192)
-    assert set(range(1, 65)) <= set(ts) and {128, 129, 255, 256, 257, 8192} - {255} <= set(ts)
+@pytest.mark.parametrize("max_t", [64, 512, 8192])
+def test_probe_ts_reach_every_plan(max_t):
+    """Every plan any T up to max_t selects is among the probed ones (dense T, real shapes)."""
+    from vllm_nvfp4_sm120.dispatch.moe import select_moe_plan
+
+    ts = G.probe_ts(max_t)
+    assert ts[0] == 1 and ts[-1] == max_t and set(range(1, 65)) <= set(ts)
+    every = range(1, max_t + 1, 1 if max_t <= 512 else 7)
+    for cap in (SM120_REFERENCE, Capability(90, 132, "H200")):
+        for route in (Route.TRITON, Route.W4A16):
+            probed = set(G.linear_plans(cap, route, 5120, 2048, max_t))
+            assert {p.kernel for p in probed} == {select_linear(cap, route, t, 5120, 2048).kernel for t in every}
+        for w4a4 in (True, False):
+            shape = dict(top_k=8, global_experts=128, hidden=2048, intermediate=768, w4a4=w4a4)
+            probed = set(G.moe_plans(cap, **shape, max_t=max_t))
+            assert probed == {select_moe_plan(cap, num_tokens=t, **shape) for t in every}
 
 
 # ---- linears on CPU (forced), with stand-in launchers -------------------------------------------------------------

@@ -23,6 +23,7 @@ torch reference of the same plan computed on the same GPU (the op's CPU path, on
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, replace
@@ -147,6 +148,18 @@ def gpu_description(device: torch.device) -> str:
     return f"{cap.device} ({cap.name}), driver {driver_version()}"
 
 
+@contextlib.contextmanager
+def _exact_fp32():
+    """The references' fp32 matmuls in full fp32 (no TF32), whatever the process set."""
+    matmul = torch.backends.cuda.matmul
+    old = matmul.allow_tf32
+    matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = old
+
+
 def _cap(device: torch.device) -> Capability:
     return capability_of(device) if device.type == "cuda" else SM120_REFERENCE
 
@@ -158,14 +171,11 @@ def should_run(mode: GuardMode, device: torch.device, force: bool) -> bool:
 # ---- which batch sizes and plans --------------------------------------------------------------------------------
 
 def probe_ts(max_t: int) -> list[int]:
-    """Batch sizes that reach every plan of a table: each T up to 64 (the small-T rows and tiles), then each power
-    of two and the one above it up to ``max_t``."""
-    ts = set(range(1, min(64, max_t) + 1))
-    p = 64
-    while p <= max_t:
-        ts.update((p, min(p + 1, max_t)))
-        p *= 2
-    ts.add(max_t)
+    """Batch sizes that reach every plan of the tables: each T up to 64 (the small-T rows and tiles), every 16th up
+    to 1024 (the linear rows, the MoE tiers by tokens per expert), every 128th up to ``max_t`` (tile rules in units
+    of 128 rows), and ``max_t``.  The selectors are pure functions, so probing costs microseconds per T."""
+    ts = set(range(1, min(64, max_t) + 1)) | set(range(65, min(1024, max_t) + 1, 16))
+    ts |= set(range(1025, max_t + 1, 128)) | {max_t}
     return sorted(ts)
 
 
@@ -265,7 +275,8 @@ def guard_linear(route: Route | str, n: int, k: int, dtype: torch.dtype, device:
             start = time.perf_counter()
             x = x_all[:t]
             got = run_linear_plan(plan, x, codes_r, scales, dec_rows, swizzled, in_enc, alpha)
-            ref = _reference(plan, x, codes, scales, dec_rows, in_enc, alpha, None)
+            with _exact_fp32():
+                ref = _reference(plan, x, codes, scales, dec_rows, in_enc, alpha, None)
             c = compare(got, ref, ties=plan.is_w4a4)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -316,7 +327,8 @@ def _check_moe_plan(plan: MoePlan, hidden: int, intermediate: int, dtype, device
     a13, a2 = (a13, a2) if w4a4 else (None, None)
     start = time.perf_counter()
     got = nvfp4_moe(x, *w13, dec, *w2, dec, tw, ti, a13_enc=a13, a2_enc=a2, plan=plan)
-    ref = _reference(x, *w13, dec, *w2, dec, tw, ti, a13, a2, None, "silu", plan)
+    with _exact_fp32():
+        ref = _reference(x, *w13, dec, *w2, dec, tw, ti, a13, a2, None, "silu", plan)
     c = compare(got, ref, ties=w4a4)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -135,7 +135,7 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
         apply_numerics_policy()
         n, k = self._check_layer(layer)
         if (why := self.layer_refusal(layer, n, k, w4a4)) is not None:
-            self._fall_back(layer, w4a4)
+            self._fall_back(layer, w4a4, exclude=(type(self),))
             log_once(
                 "warning", (kind, self.route, "fallback", why),
                 "nvfp4_sm120: route %s cannot take NVFP4 %s layers (first: %s): %s; using %s instead",
@@ -144,7 +144,8 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
             self._fallback.process_weights_after_loading(layer)
             return
         if (failed := self._guard(layer, n, k)) is not None:
-            self._fall_back(layer, w4a4)
+            # Our routes share their small-T kernels: past a failed check, vLLM's own kernels serve the layer.
+            self._fall_back(layer, w4a4, exclude=KERNEL_CLASSES)
             log_once(
                 "error", ("guard", failed.key),
                 "nvfp4_sm120: numerics guard: layer %s: %s; the layer runs vLLM's %s instead "
@@ -157,8 +158,8 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
         log_once("info", (kind, self.route, type(self).__name__),
                   "nvfp4_sm120: NVFP4 %s layers use %s (route %s)", kind, type(self).__name__, self.route)
 
-    def _fall_back(self, layer: torch.nn.Module, w4a4: bool) -> None:
-        self._fallback = fallback_kernel(use_a16=not w4a4, exclude=(type(self),))
+    def _fall_back(self, layer: torch.nn.Module, w4a4: bool, exclude: tuple[type, ...]) -> None:
+        self._fallback = fallback_kernel(use_a16=not w4a4, exclude=exclude)
         scale_policy.drop_part_globals(layer)
 
     def _guard(self, layer: torch.nn.Module, n: int, k: int) -> guard.GuardResult | None:
