@@ -231,9 +231,9 @@ def test_portable_plan_chain():
 @pytest.mark.parametrize("n, k", [(5120, 2048), (2048, 4096), (1536, 272)])
 def test_gpu_linear_kernels_pass_the_guard(route, n, k):
     from vllm_nvfp4_sm120.dispatch.hw import capability_of
+    from vllm_nvfp4_sm120.dispatch.linear import TABLE
 
-    if route not in __import__("vllm_nvfp4_sm120.dispatch.linear", fromlist=["TABLE"]).TABLE[
-            capability_of(torch.device("cuda")).family]:
+    if route not in TABLE[capability_of(torch.device("cuda")).family]:
         pytest.skip(f"route {route} has no kernels on this GPU")
     results = G.guard_linear(route, n, k, torch.bfloat16, "cuda", max_t=8192)
     assert results
