@@ -296,6 +296,31 @@ def test_consistency_check_catches_a_rank_on_another_kernel(ranks, checkpoints):
         assert_consistent(per_rank)
 
 
+@pytest.mark.parametrize("ranks", [2], indirect=True, ids=["tp2"])
+@pytest.mark.parametrize("c", [Case("o", "modelopt", "w4a4"), Case("moe", "modelopt", "w4a4")], ids=["o", "moe"])
+def test_guard_failure_on_one_rank_falls_back_on_every_rank(ranks, checkpoints, c):
+    """The numerics guard fails on rank 1's "GPU" only: every rank ends on the same fallback, rank 1 naming the
+    failing kernel and rank 0 the other rank."""
+    ckpt = checkpoints(SHAPES[ranks.world], c.fmt, c.act)
+    per_rank = ranks.run(PL.task_load_outcome_guard_failing_on_rank, ckpt, c, 1)
+    lines = [res.pop("guard_lines") for res in per_rank]
+    common = assert_consistent(per_rank)
+    assert common["error"] is None
+    if c.kind == "o":
+        assert common["kernels"]["o"] == {"kernel": "TritonNvFp4LinearKernel", "route": "triton",
+                                          "fallback": "EmulationNvFp4LinearKernel"}
+        assert "w4a4_triton(" in lines[1][0] and "another tensor-parallel rank" in lines[0][0]
+    else:
+        assert common["moe_plan_t1"].endswith("/exact-decode")
+        assert "moe w4a16/triton" in lines[1][0] and "another tensor-parallel rank" in lines[0][0]
+    assert [len(x) for x in lines] == [1, 1], lines
+    # The same with no rank failing: nobody falls back.
+    clean = ranks.run(PL.task_load_outcome_guard_failing_on_rank, ckpt, c, -1)
+    assert all(res["guard_lines"] == [] for res in clean)
+    if c.kind == "o":
+        assert all(res["kernels"]["o"]["fallback"] is None for res in clean)
+
+
 # Per-rank shapes no NVFP4 kernel can serve: a K (or MoE I) per rank that is not a multiple of 16.
 UNSERVABLE = {2: TinyShape(layers=1, hidden=80, heads=4, kv_heads=1, head_dim=12, experts=8, top_k=2,
                            moe_intermediate=48),

@@ -357,6 +357,18 @@ def _moe_problem(hidden: int, intermediate: int, dtype, device, max_tokens: int)
 class MoeGuardOutcome:
     results: list[GuardResult]  # every plan checked (fallbacks included), failures first
     fallbacks: dict[MoePlan, MoePlan]  # failing plan → the plan now run instead
+    depths: dict[MoePlan, int]  # every plan the layer runs → how many portable_moe_plan steps it took (0: passed)
+
+
+def fall_back(cap: Capability, plan: MoePlan, depth: int, *, hidden: int, intermediate: int) -> MoePlan:
+    """Run ``plan`` ``depth`` portable steps down at this shape from now on (what another rank's guard found, so
+    that every rank runs the same kernels); returns the plan now run."""
+    target = plan
+    for _ in range(depth):
+        target = portable_moe_plan(cap, target, hidden=hidden, intermediate=intermediate)
+    if target != plan:
+        set_substitute(moe_guard_key(plan, hidden, intermediate), target)
+    return target
 
 
 def guard_moe(*, hidden: int, intermediate: int, global_experts: int, top_k: int, w4a4: bool, dtype: torch.dtype,
@@ -367,20 +379,20 @@ def guard_moe(*, hidden: int, intermediate: int, global_experts: int, top_k: int
     a layer for which no fallback passes."""
     device = torch.device(device)
     if not should_run(mode, device, force):
-        return MoeGuardOutcome([], {})
+        return MoeGuardOutcome([], {}, {})
     cap = capability_of(device)  # the MoE flow plans for the tensors' device (no GPU: the portable tiers)
     gpu = gpu_description(device)
     plans = moe_plans(cap, top_k=top_k, global_experts=global_experts, hidden=hidden, intermediate=intermediate,
                       w4a4=w4a4, max_t=max_t)
     problem = None
-    results, fallbacks = [], {}
+    results, fallbacks, depths = [], {}, {}
     for plan in plans:
         key = moe_guard_key(plan, hidden, intermediate) + (str(dtype), gpu)
         if problem is None and key not in _results:
             problem = _moe_problem(hidden, intermediate, dtype, device, max(_moe_tokens(p) for p in plans) + 1)
         res = _check_moe_plan(plan, hidden, intermediate, dtype, device, gpu, problem)
         results.append(res)
-        current = plan
+        current, depths[plan] = plan, 0
         while not res.ok:
             if mode is GuardMode.STRICT:
                 raise NumericsGuardError(f"numerics guard (strict): {res.describe()}")
@@ -392,8 +404,9 @@ def guard_moe(*, hidden: int, intermediate: int, global_experts: int, top_k: int
             res = _check_moe_plan(nxt, hidden, intermediate, dtype, device, gpu, problem)
             results.append(res)
             current = nxt
+            depths[plan] += 1
         if current != plan:
             fallbacks[plan] = current
             set_substitute(moe_guard_key(plan, hidden, intermediate), current)
     results.sort(key=lambda r: r.ok)
-    return MoeGuardOutcome(results, fallbacks)
+    return MoeGuardOutcome(results, fallbacks, depths)

@@ -84,6 +84,19 @@ def layer_is_w4a4(layer: torch.nn.Module) -> bool:
     return getattr(layer, "input_global_scale_inv", None) is not None and getattr(layer, "alpha", None) is not None
 
 
+class _OtherRank:
+    """The guard's verdict when this rank's check passed and another tensor-parallel rank's failed."""
+
+    key = ("linear", "another rank")
+
+    @staticmethod
+    def describe() -> str:
+        return "a kernel of this layer failed the check on another tensor-parallel rank's GPU"
+
+
+OTHER_RANK_FAILED = _OtherRank()
+
+
 class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
     """Base of our NVFP4 linear kernels; a subclass names its :attr:`route`, the rest derives from it."""
 
@@ -162,16 +175,21 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
         self._fallback = fallback_kernel(use_a16=not w4a4, exclude=exclude)
         scale_policy.drop_part_globals(layer)
 
-    def _guard(self, layer: torch.nn.Module, n: int, k: int) -> guard.GuardResult | None:
+    def _guard(self, layer: torch.nn.Module, n: int, k: int) -> guard.GuardResult | _OtherRank | None:
         """The first plan of this layer's shape that fails the numerics guard on this GPU (``dispatch/guard.py``),
         or None.  Runs on a synthetic problem of the layer's shape, before the layer is prepared, so a failure
         leaves the checkpoint's tensors as they were for vLLM's kernel."""
+        mode, device = numerics.guard_mode(), layer.weight.device
+        if not guard.should_run(mode, device, numerics.FORCE_GUARD):
+            return None
         try:
-            results = guard.guard_linear(self.route, n, k, activation_dtype(layer), layer.weight.device,
-                                         mode=numerics.guard_mode(), force=numerics.FORCE_GUARD)
+            results = guard.guard_linear(self.route, n, k, activation_dtype(layer), device, mode=mode, force=True)
         except guard.NumericsGuardError as e:
             raise guard.NumericsGuardError(f"NVFP4 layer {layer_name(layer)}: {e}") from None
-        return next((r for r in results if not r.ok), None)
+        failed = next((r for r in results if not r.ok), None)
+        # Every rank takes the fallback if any rank's GPU failed the check (the same layers on every rank).
+        (any_failed,) = numerics.max_over_ranks([int(failed is not None)])
+        return failed if failed is not None else OTHER_RANK_FAILED if any_failed else None
 
     @staticmethod
     def _check_layer(layer: torch.nn.Module) -> tuple[int, int]:

@@ -42,6 +42,7 @@ from vllm.model_executor.utils import replace_parameter
 
 from ..dispatch import moe_ops  # registers torch.ops.nvfp4_sm120.moe: it must exist before any apply is traced
 from ..dispatch import guard, vendor
+from ..dispatch.hw import capability_of
 from ..dispatch.linear import AUTO_BACKEND
 from ..dispatch.shards import shard_refusal
 from ..format import check_tensor
@@ -270,20 +271,31 @@ class Sm120NvFp4Experts(mk.FusedMoEExpertsModular):
         """The numerics guard on this layer's shape (``dispatch/guard.py``): a plan that fails on this GPU is
         replaced by the portable Triton plan of its tier for every layer of the shape, with one error line."""
         moe = method.moe
+        mode, device = numerics.guard_mode(), layer.w13_weight.device
+        if not guard.should_run(mode, device, numerics.FORCE_GUARD):
+            return
+        hidden, intermediate = layer.w13_weight.shape[2] * 2, layer.w2_weight.shape[2] * 2
         try:
             outcome = guard.guard_moe(
-                hidden=layer.w13_weight.shape[2] * 2, intermediate=layer.w2_weight.shape[2] * 2,
-                global_experts=moe.num_experts, top_k=moe.experts_per_token, w4a4=w4a4, dtype=moe.in_dtype,
-                device=layer.w13_weight.device, mode=numerics.guard_mode(), force=numerics.FORCE_GUARD)
+                hidden=hidden, intermediate=intermediate, global_experts=moe.num_experts,
+                top_k=moe.experts_per_token, w4a4=w4a4, dtype=moe.in_dtype, device=device, mode=mode, force=True)
         except guard.NumericsGuardError as e:
             raise guard.NumericsGuardError(f"NVFP4 MoE layer {name}: {e}") from None
+        # Every rank runs a plan as far down the portable chain as any rank's GPU needed (same plans everywhere).
+        plans = list(outcome.depths)
+        fallbacks = dict(outcome.fallbacks)
+        for plan, depth in zip(plans, numerics.max_over_ranks([outcome.depths[p] for p in plans])):
+            if depth > outcome.depths[plan]:
+                fallbacks[plan] = guard.fall_back(capability_of(device), plan, depth, hidden=hidden,
+                                                  intermediate=intermediate)
         failed = {r.key: r for r in outcome.results if not r.ok}
-        for plan, fallback in outcome.fallbacks.items():
+        for plan, fallback in fallbacks.items():
             why = next((r for r in failed.values() if r.key[1] == plan), None)
             log_once("error", ("guard", plan, fallback),
                      "nvfp4_sm120: numerics guard: MoE layer %s: %s; its shape runs %s/%s tier %s instead "
                      "(VLLM_NVFP4_SM120_GUARD=strict fails the load)",
-                     name, why.describe() if why else plan, fallback.kernel, fallback.impl, fallback.tier)
+                     name, why.describe() if why else f"{plan.tier} failed on another tensor-parallel rank",
+                     fallback.kernel, fallback.impl, fallback.tier)
 
     @classmethod
     def serves(cls, method) -> bool:

@@ -39,3 +39,20 @@ def apply_numerics_policy() -> NumericsPolicy:
                  ", with one kernel and tile per layer and the MoE top-k sum in slot order"
                  if policy.batch_invariant else "")
     return policy
+
+
+def max_over_ranks(values: list[int]) -> list[int]:
+    """Elementwise max over the tensor-parallel ranks (vLLM's TP group, on its CPU group), so that a guard verdict
+    found on one rank's GPU holds on every rank: ranks never run different kernels.  One rank: ``values``."""
+    from vllm.distributed import parallel_state as ps
+
+    if not values or not ps.model_parallel_is_initialized():
+        return values
+    group = ps.get_tp_group()
+    if group.world_size == 1:
+        return values
+    import torch
+
+    t = torch.tensor(values, dtype=torch.int64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
+    return t.tolist()
