@@ -435,9 +435,9 @@ def task_load_outcome_guard_failing_on_rank(ckpt_dir: str, case: Case, failing_r
                 from vllm_nvfp4_sm120.dispatch.hw import NO_GPU
 
                 shape = read_shape(ckpt_dir)
+                per_rank_i = shape.moe_intermediate // rank_and_world()[1]
                 plan = M.select_moe_plan(NO_GPU, num_tokens=1, top_k=shape.top_k, global_experts=shape.experts,
-                                         hidden=shape.hidden, intermediate=shape.moe_intermediate // rank_and_world()[1],
-                                         w4a4=case.act == "w4a4")
+                                         hidden=shape.hidden, intermediate=per_rank_i, w4a4=case.act == "w4a4")
                 outcome["moe_plan_t1"] = plan.tier
         finally:
             log.removeHandler(handler)
