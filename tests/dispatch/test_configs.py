@@ -289,3 +289,33 @@ def test_shipped_configs_are_package_data():
     assert "configs/*.json" in pyproject["tool"]["setuptools"]["package-data"]["vllm_nvfp4_sm120"]
     assert configs.SHIPPED_DIR == Path(configs.__file__).resolve().parents[1] / "configs"
     assert configs.SHIPPED_DIR.is_dir()
+
+
+SHIPPED_FILES = sorted(configs.SHIPPED_DIR.glob("device_name=*.json"))
+
+
+@pytest.mark.parametrize("path", SHIPPED_FILES, ids=[p.name for p in SHIPPED_FILES])
+def test_shipped_file_validates_and_drives_the_dispatch(path, monkeypatch):
+    """Every shipped file loads without a warning, and at each T it has a row for the linear selector returns that
+    row's plan (the measured winner), for the device it names."""
+    monkeypatch.delenv(configs.ENV_CONFIG_DIR, raising=False)
+    configs.clear_cache()
+    cf = configs.load_file(path, "shipped")
+    assert cf.error is None, cf.error
+    data = json.loads(path.read_text())
+    if not cf.family.startswith("linear_"):
+        pytest.skip("MoE files are checked through their rows by the loader only")
+    cap = Capability(data["cc"], data["sm_count"], data["measured"]["device"])
+    route = cf.family.removeprefix("linear_")
+    checked = 0
+    for bucket, rows in data["buckets"].items():
+        n, k = (int(part.split("=")[1]) for part in bucket.split(","))
+        for row in rows:
+            for t in {row["min_t"], row["max_t"]}:
+                plan = select_linear(cap, route, t, n, k)
+                assert plan.kernel == row["kernel"], (bucket, t, plan)
+                assert {key: v for key, v in plan.params if key not in configs.DERIVED_PARAMS} == row["tile"], (
+                    bucket, t, plan)
+                checked += 1
+    assert checked
+    configs.clear_cache()
