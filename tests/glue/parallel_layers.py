@@ -370,3 +370,77 @@ def task_load_outcome_refusing_on_rank(ckpt_dir: str, case: Case, refusing_rank:
             mp.setattr(vendor, "cublas_refusal", lambda cap, n, k, **kw: "planted: this rank only")
         return task_load_outcome(ckpt_dir, case)
 
+
+
+def task_load_outcome_guard_failing_on_rank(ckpt_dir: str, case: Case, failing_rank: int) -> dict:
+    """:func:`task_load_outcome` with the numerics guard forced on CPU: every linear launcher exact, except on one
+    rank, where the W4A4 Triton GEMM is wrong (linears) or the W4A16 MoE plans' inline-PTX decode variant is
+    (MoE, plans up to T = 16 in fp16: the interpreter runs the real Triton kernels, and its bf16 dot is wrong).
+    Which kernels every rank ends on, and the guard's log lines."""
+    from dataclasses import replace
+    import logging
+
+    from vllm.model_executor.kernels import linear as L
+    from vllm.platforms import PlatformEnum
+
+    from vllm_nvfp4_sm120.dispatch import guard as G
+    from vllm_nvfp4_sm120.dispatch import moe as M
+    from vllm_nvfp4_sm120.dispatch import ops, policy, registry
+    from vllm_nvfp4_sm120.dispatch.linear import LinearKernel, LinearPlan
+    from vllm_nvfp4_sm120.dispatch.moe import Impl, MoeKernel
+    from vllm_nvfp4_sm120.vllm import linear as ours
+    from vllm_nvfp4_sm120.vllm import numerics
+
+    wrong = rank_and_world()[0] == failing_rank
+
+    def stand_in(kernel):
+        factor = 1.25 if wrong and kernel is LinearKernel.W4A4_TRITON else 1.0
+
+        def run(x, w_codes, w_scales, w_dec_rows, swizzled, in_enc, alpha, bias, **tile):
+            return ops._reference(LinearPlan(kernel), x, w_codes, w_scales, w_dec_rows, in_enc, alpha, bias) * factor
+        return run
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    log = logging.getLogger("vllm.nvfp4_sm120")
+    handler = Keep(logging.ERROR)
+    G.clear_cache()
+    policy.clear_substitutes()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(numerics, "FORCE_GUARD", True)
+        mp.delenv(numerics.GUARD_ENV, raising=False)
+        for kernel in LinearKernel:
+            mp.setitem(registry.LINEAR_KERNELS, kernel, stand_in(kernel))
+        theirs = [c.__name__ for c in L._POSSIBLE_NVFP4_KERNELS[PlatformEnum.CUDA]
+                  if c not in ours.KERNEL_CLASSES and c.__name__ != "EmulationNvFp4LinearKernel"]
+        mp.setenv("VLLM_DISABLED_KERNELS", ",".join(theirs))
+        real = G.guard_moe
+        mp.setattr(G, "guard_moe", lambda **kw: real(**{**kw, "max_t": 16, "dtype": torch.float16}))
+        table = M.table_moe_plan
+        mp.setattr(M, "table_moe_plan", lambda cap, **kw: (
+            lambda p: replace(p, fast_decode=True) if p.kernel == MoeKernel.W4A16 else p)(table(cap, **kw)))
+        gate_up, down = registry.MOE_KERNELS[MoeKernel.W4A16, Impl.TRITON]
+        bad = 1.5 if wrong else 1.0
+        mp.setitem(registry.MOE_KERNELS, (MoeKernel.W4A16, Impl.TRITON), (
+            lambda *a, fast_decode=False, **kw: gate_up(*a, fast_decode=False, **kw) * (bad if fast_decode else 1.0),
+            lambda *a, fast_decode=False, **kw: down(*a, fast_decode=False, **kw)))
+        log.addHandler(handler)
+        try:
+            outcome = task_load_outcome(ckpt_dir, case)
+            if case.kind == "moe" and outcome["error"] is None:
+                from vllm_nvfp4_sm120.dispatch.hw import NO_GPU
+
+                shape = read_shape(ckpt_dir)
+                per_rank_i = shape.moe_intermediate // rank_and_world()[1]
+                plan = M.select_moe_plan(NO_GPU, num_tokens=1, top_k=shape.top_k, global_experts=shape.experts,
+                                         hidden=shape.hidden, intermediate=per_rank_i, w4a4=case.act == "w4a4")
+                outcome["moe_plan_t1"] = plan.tier
+        finally:
+            log.removeHandler(handler)
+            G.clear_cache()
+            policy.clear_substitutes()
+    return {**outcome, "guard_lines": [m for m in records if "numerics guard" in m]}

@@ -296,42 +296,53 @@ def test_consistency_check_catches_a_rank_on_another_kernel(ranks, checkpoints):
         assert_consistent(per_rank)
 
 
+@pytest.mark.parametrize("ranks", [2], indirect=True, ids=["tp2"])
+@pytest.mark.parametrize("c", [Case("o", "modelopt", "w4a4"), Case("moe", "modelopt", "w4a4")], ids=["o", "moe"])
+def test_guard_failure_on_one_rank_falls_back_on_every_rank(ranks, checkpoints, c):
+    """The numerics guard fails on rank 1's "GPU" only: every rank ends on the same fallback, rank 1 naming the
+    failing kernel and rank 0 the other rank."""
+    ckpt = checkpoints(SHAPES[ranks.world], c.fmt, c.act)
+    per_rank = ranks.run(PL.task_load_outcome_guard_failing_on_rank, ckpt, c, 1)
+    lines = [res.pop("guard_lines") for res in per_rank]
+    common = assert_consistent(per_rank)
+    assert common["error"] is None
+    if c.kind == "o":
+        assert common["kernels"]["o"] == {"kernel": "TritonNvFp4LinearKernel", "route": "triton",
+                                          "fallback": "EmulationNvFp4LinearKernel"}
+        assert "w4a4_triton(" in lines[1][0] and "another tensor-parallel rank" in lines[0][0]
+    else:
+        assert common["moe_plan_t1"].endswith("/exact-decode")
+        assert "moe w4a16/triton" in lines[1][0] and "another tensor-parallel rank" in lines[0][0]
+    assert [len(x) for x in lines] == [1, 1], lines
+    # The same with no rank failing: nobody falls back.
+    clean = ranks.run(PL.task_load_outcome_guard_failing_on_rank, ckpt, c, -1)
+    assert all(res["guard_lines"] == [] for res in clean)
+    if c.kind == "o":
+        assert all(res["kernels"]["o"]["fallback"] is None for res in clean)
+
+
 # Per-rank shapes no NVFP4 kernel can serve: a K (or MoE I) per rank that is not a multiple of 16.
 UNSERVABLE = {2: TinyShape(layers=1, hidden=80, heads=4, kv_heads=1, head_dim=12, experts=8, top_k=2,
                            moe_intermediate=48),
               4: TinyShape(layers=1, hidden=80, heads=4, kv_heads=2, head_dim=24, experts=8, top_k=2,
                            moe_intermediate=96)}
-_MODELOPT_LINEAR = ("vLLM's ModelOpt create_weights refuses with 'Unsupported model when in features size is not "
-                    "multiple of 16', which names neither the layer, the TP size nor the shape")
-_CT_LINEAR = ("compressed-tensors creates the layer with K / 16 rounded down scale columns (each rank loads the wrong "
-              "block scales) and our kernel accepts it; the first forward (CPU) raises 'codes: K = 24 ... is not a "
-              "multiple of 16'")
-_MOE = ("FusedMoE creates I / TP = 24 with I / 16 rounded down w2 scale columns (wrong block scales per rank) and "
-        "Sm120NvFp4Experts accepts it; the first forward (CPU) raises 'codes: K = 24 ... is not a multiple of 16'")
-
-
-def _today(reason: str):
-    """Fails today for ``reason`` (an assertion of the test, not a broken rank); passes once the glue refuses."""
-    return pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)
 
 
 @TP_SIZES
 @pytest.mark.parametrize("kind, fmt, act, layer, full", [
-    pytest.param("o", "modelopt", "w4a4", "self_attn.o_proj", "heads", id="o-modelopt-w4a4",
-                 marks=_today(_MODELOPT_LINEAR)),
-    pytest.param("mlp", "modelopt", "w4a16", "mlp.down_proj", "moe_intermediate", id="down-modelopt-w4a16",
-                 marks=_today(_MODELOPT_LINEAR)),
-    pytest.param("o", "ct", "w4a4", "self_attn.o_proj", "heads", id="o-ct-w4a4",
-                 marks=_today(_CT_LINEAR)),
-    pytest.param("mlp", "ct", "w4a16", "mlp.down_proj", "moe_intermediate", id="down-ct-w4a16",
-                 marks=_today(_CT_LINEAR)),
-    pytest.param("moe", "modelopt", "w4a4", "mlp.experts", "moe_intermediate", id="moe-modelopt-w4a4",
-                 marks=_today(_MOE)),
-    pytest.param("moe", "ct", "w4a16", "mlp.experts", "moe_intermediate", id="moe-ct-w4a16",
-                 marks=_today(_MOE)),
+    pytest.param("o", "modelopt", "w4a4", "self_attn.o_proj", "heads", id="o-modelopt-w4a4"),
+    pytest.param("mlp", "modelopt", "w4a16", "mlp.down_proj", "moe_intermediate", id="down-modelopt-w4a16"),
+    pytest.param("o", "ct", "w4a4", "self_attn.o_proj", "heads", id="o-ct-w4a4"),
+    pytest.param("mlp", "ct", "w4a16", "mlp.down_proj", "moe_intermediate", id="down-ct-w4a16"),
+    pytest.param("moe", "modelopt", "w4a4", "mlp.experts", "moe_intermediate", id="moe-modelopt-w4a4"),
+    pytest.param("moe", "ct", "w4a16", "mlp.experts", "moe_intermediate", id="moe-ct-w4a16"),
 ])
 def test_unservable_rank_shape_refused_at_load(ranks, checkpoints, kind, fmt, act, layer, full):
-    """K / TP (MoE: I / TP) = 24: every rank refuses at load, with one line naming the layer, TP size and shape."""
+    """K / TP (MoE: I / TP) = 24: every rank refuses at load, with one line naming the layer, TP size and shape.
+
+    Without the refusal vLLM's ModelOpt linears raise a message naming neither the layer nor the TP size, and
+    compressed-tensors linears and FusedMoE load each rank's block scales rounded down to whole columns (wrong
+    scales) and fail only at the first forward."""
     shape = UNSERVABLE[ranks.world]
     full_size = shape.heads * shape.head_dim if full == "heads" else shape.moe_intermediate
     per_rank = full_size // ranks.world
@@ -339,10 +350,14 @@ def test_unservable_rank_shape_refused_at_load(ranks, checkpoints, kind, fmt, ac
     common = assert_consistent(outcomes(ranks, checkpoints(shape, fmt, act), case(kind, fmt, act)))
     msg = common["error"]
     assert msg is not None, f"loaded without refusal: {common['kernels']}"
+    assert msg.startswith("ValueError: NVFP4 layer "), msg
     assert "\n" not in msg, msg
     assert f"model.layers.0.{layer}" in msg, msg
     assert re.search(rf"tensor[- ]parallel size {ranks.world}\b", msg), msg
     assert re.search(rf"\b{full_size}\b", msg) and re.search(rf"\b{per_rank}\b", msg), msg
+    assert "not a multiple of 16" in msg, msg
+    # The same shape on one rank loads (the refusal is about the shard, not the layer).
+    assert PL.task_load_outcome(checkpoints(shape, fmt, act), case(kind, fmt, act))["error"] is None
 
 
 # ---- the harness itself (last: the hang case restarts the ranks) ---------------------------------------------------

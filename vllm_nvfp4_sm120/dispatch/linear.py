@@ -39,6 +39,7 @@ from ..kernels.gluon_gemv import MMA_BLOCK_M, FmaTile, MmaTile
 from ..kernels.w4a16_linear import GEMV_BLOCK_T
 from .configs import measured_linear_plan
 from .hw import Capability, Family
+from .policy import current_policy
 
 
 class Route(StrEnum):
@@ -342,9 +343,40 @@ _TILE_RULES: dict[LinearKernel, Callable[[Capability, int, int, int], LinearPlan
 
 def select_linear(cap: Capability, route: Route | str, t: int, n: int, k: int) -> LinearPlan:
     """The plan for one call of ``x [t, k] @ W [n, k]^T`` on ``cap``'s GPU: a measured config's row where one covers
-    this GPU, shape and T (``dispatch/configs.py``), else the built-in table's (:func:`table_linear`)."""
+    this GPU, shape and T (``dispatch/configs.py``), else the built-in table's (:func:`table_linear`).
+
+    The process's numerics policy (``dispatch/policy.py``) narrows that: ``decode = w4a4`` keeps a W4A4 route on
+    its W4A4 rows at every T, batch-invariant mode runs :func:`batch_invariant_linear` at every T."""
     rows = _rows(cap, route)
+    policy = current_policy()
+    if policy.batch_invariant:
+        return batch_invariant_linear(cap, route)
+    if policy.one_numerics and ROUTE_PREFILL[Route(route)].w4a4:
+        rows = [r for r in rows if r.plan.is_w4a4]
+        measured = measured_linear_plan(cap, route, t, n, k)
+        return measured if measured is not None and measured.is_w4a4 else _table_plan(rows, cap, t, n, k)
     return measured_linear_plan(cap, route, t, n, k) or _table_plan(rows, cap, t, n, k)
+
+
+# Batch-invariant mode: one plan per (route, family) at every T, each without split-K and without a library that
+# picks its algorithm by M, so every output element is the same K-ordered fp32 sum whatever T is.
+#   W4A4 routes: the Triton W4A4 GEMM's prefill tile, also for the cuBLAS and b12x routes (cuBLAS and FlashInfer
+#     choose their kernels by M; our GEMM runs on their layers' row-major codes and linear scales, which they keep);
+#   w4a16: the Triton W4A16 GEMM's prefill tile (the decode kernels split K by shape, dequant + cuBLAS is cuBLAS);
+#   flashinfer_w4a16: mm_bf16_fp4, its only plan (whether FlashInfer's choice depends on M is not known).
+_BATCH_INVARIANT_W4A16 = {Family.SM90: _p(LinearKernel.W4A16_GEMM, **W4A16_GEMM_CONFIGS_SM90[0])}
+_BATCH_INVARIANT_W4A16_OTHER = _p(LinearKernel.W4A16_GEMM, **W4A16_GEMM_CONFIGS[1])
+
+
+def batch_invariant_linear(cap: Capability, route: Route | str) -> LinearPlan:
+    """The one plan a route runs at every T in batch-invariant mode (see above)."""
+    rows = _rows(cap, route)
+    route = Route(route)
+    if ROUTE_PREFILL[route].w4a4:
+        return _W4A4_BIG
+    if route is Route.W4A16:
+        return _BATCH_INVARIANT_W4A16.get(cap.family, _BATCH_INVARIANT_W4A16_OTHER)
+    return rows[-1].plan
 
 
 def table_linear(cap: Capability, route: Route | str, t: int, n: int, k: int) -> LinearPlan:

@@ -38,6 +38,7 @@ from ..kernels.gluon_compat import gluon_enabled
 from ..kernels.moe_decode import MAX_ROUTES, DecodeTile, tma_ok
 from .configs import measured_moe_plan
 from .hw import Capability, Family
+from .policy import current_policy, substitute
 
 
 class MoeKernel(StrEnum):
@@ -304,27 +305,55 @@ def select_moe_plan(
     built-in tiers' (:func:`table_moe_plan`)."""
     shape = dict(num_tokens=num_tokens, top_k=top_k, global_experts=global_experts, hidden=hidden,
                  intermediate=intermediate, w4a4=w4a4)
-    return measured_moe_plan(cap, **shape) or table_moe_plan(cap, **shape)
+    policy = current_policy()
+    if policy.batch_invariant:
+        plan = batch_invariant_moe_plan(cap, hidden=hidden, intermediate=intermediate, w4a4=w4a4)
+    else:
+        one = policy.one_numerics and w4a4
+        measured = measured_moe_plan(cap, **shape)
+        if measured is not None and one and measured.kernel != MoeKernel.W4A4:
+            measured = None
+        plan = measured or table_moe_plan(cap, **shape, one_numerics=one)
+    # The numerics guard's fallback where this plan failed on this GPU at this shape (dispatch/guard.py).
+    return substitute(moe_guard_key(plan, hidden, intermediate), plan)
+
+
+def moe_guard_key(plan: MoePlan, hidden: int, intermediate: int) -> tuple:
+    """What the numerics guard checks once per process: a plan at a layer shape."""
+    return ("moe", plan, hidden, intermediate)
+
+
+def batch_invariant_moe_plan(cap: Capability, *, hidden: int, intermediate: int, w4a4: bool) -> MoePlan:
+    """The one plan of batch-invariant mode at every T: the layer's numerics (W4A4 where it has static input
+    scales) on the largest Triton tier (one BLOCK_M, BLOCK_K and reduction order per GEMM whatever the batch; the
+    Gluon tiers differ by BLOCK_M, and decode pays for the 128-row tile in padding, not in weight reads)."""
+    fam = tier_family(cap)
+    kernel = MoeKernel.W4A4 if w4a4 else MoeKernel.W4A16
+    tiers = _tiers(kernel, fam)
+    return _plan(cap, fam, kernel, (len(tiers) - 1, *tiers[-1][1:]), (_tma(fam, hidden), _tma(fam, intermediate)))
 
 
 def table_moe_plan(cap: Capability, *, num_tokens: int, top_k: int, global_experts: int, hidden: int,
-                   intermediate: int, w4a4: bool) -> MoePlan:
+                   intermediate: int, w4a4: bool, one_numerics: bool = False) -> MoePlan:
     """The built-in tables' plan (the documented default; what ``tune`` measures against): the decode plan where
-    :func:`decode_plan` gives one, else the tiers'."""
-    decode = decode_plan(cap, num_tokens=num_tokens, top_k=top_k, global_experts=global_experts, hidden=hidden,
-                         intermediate=intermediate)
-    if decode is not None:
-        return decode
+    :func:`decode_plan` gives one, else the tiers'.  ``one_numerics``: W4A4 at every T where the layer has static
+    input scales (``VLLM_NVFP4_SM120_DECODE=w4a4``), so the weight-only decode plan is not taken there."""
+    if not (one_numerics and w4a4):
+        decode = decode_plan(cap, num_tokens=num_tokens, top_k=top_k, global_experts=global_experts, hidden=hidden,
+                             intermediate=intermediate)
+        if decode is not None:
+            return decode
     return tiers_moe_plan(cap, num_tokens=num_tokens, top_k=top_k, global_experts=global_experts, hidden=hidden,
-                          intermediate=intermediate, w4a4=w4a4)
+                          intermediate=intermediate, w4a4=w4a4, one_numerics=one_numerics)
 
 
 def tiers_moe_plan(cap: Capability, *, num_tokens: int, top_k: int, global_experts: int, hidden: int,
-                   intermediate: int, w4a4: bool) -> MoePlan:
+                   intermediate: int, w4a4: bool, one_numerics: bool = False) -> MoePlan:
     """The tiers' plan (align + BLOCK_M GEMMs), decode rows aside: what the benchmarks time the decode plan against."""
     fam = tier_family(cap)
     m = tokens_per_expert(num_tokens, top_k, global_experts)
-    kernel = MoeKernel.W4A4 if w4a4 and m >= W4A4_MIN_TOKENS_PER_EXPERT else MoeKernel.W4A16
+    kernel = (MoeKernel.W4A4 if w4a4 and (one_numerics or m >= W4A4_MIN_TOKENS_PER_EXPERT)
+              else MoeKernel.W4A16)
     tma = _tma(fam, hidden), _tma(fam, intermediate)
     plan = _plan(cap, fam, kernel, _tier(_tiers(kernel, fam), m), tma)
     if fam is Family.SM120 and gluon_enabled():

@@ -26,6 +26,7 @@ from ..kernels.moe_w4a4 import moe_quant_input
 from .hw import capability_of
 from .linear import act_quant_config
 from .moe import DecodeDown, Impl, MoeKernel, MoePlan, select_moe_plan
+from .policy import current_policy
 from .registry import MOE_KERNELS
 
 
@@ -67,6 +68,8 @@ def nvfp4_moe(
         out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     check_tensor("out", out, dtype=x.dtype, shape=[t, h], last_dim_contiguous=True)
     explicit_plan = plan is not None
+    batch_invariant = current_policy().batch_invariant
+    deterministic = deterministic or batch_invariant  # atomics add the top-k routes in a run-dependent order
     if plan is None:
         plan = plan_for(x, w13_codes, w2_codes, topk_ids, w4a4=a13_enc is not None, expert_map=expert_map)
     if plan.kernel == MoeKernel.W4A4 and a13_enc is None:
@@ -74,6 +77,13 @@ def nvfp4_moe(
 
     if x.device.type != "cuda" and not (explicit_plan and interpreting()):
         # CPU: the torch reference in the plan's form.  (Tests that pass a plan run the kernels in the interpreter.)
+        if batch_invariant and t > 1:
+            # One token at a time: the CPU matmul's result depends on how many rows an expert gets.
+            for i in range(t):
+                out[i:i + 1].copy_(_reference(x[i:i + 1], w13_codes, w13_scales, w13_dec, w2_codes, w2_scales,
+                                              w2_dec, topk_weights[i:i + 1], topk_ids[i:i + 1], a13_enc, a2_enc,
+                                              expert_map, activation, plan))
+            return out
         return out.copy_(_reference(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights,
                                      topk_ids, a13_enc, a2_enc, expert_map, activation, plan))
     return _run_kernels(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,

@@ -15,6 +15,7 @@ import torch
 from ..format import GlobalScale, linear_w4a16_ref, quantize_nvfp4, unit_values
 from .hw import SM120_REFERENCE, capability_of
 from .linear import LinearPlan, select_linear
+from .policy import current_policy
 from .registry import LINEAR_KERNELS, run_flashinfer_w4a16
 
 
@@ -52,6 +53,11 @@ def nvfp4_linear(
     if plan.is_w4a4 and (in_enc is None or alpha is None):
         raise ValueError(f"route {route!r} runs W4A4 at T = {t}: in_enc and alpha are required")
     if x.device.type == "cpu":
+        if current_policy().batch_invariant and t > 1:
+            # The CPU matmul picks its kernel by M (rows differ in the last bits between T = 1 and T = 16): one
+            # row at a time, as the batch-invariant GPU plan computes each row independently of the others.
+            return torch.cat([_reference(plan, x[i:i + 1], w_codes, w_scales, w_dec_rows, in_enc, alpha, bias)
+                              for i in range(t)])
         return _reference(plan, x, w_codes, w_scales, w_dec_rows, in_enc, alpha, bias)
     return LINEAR_KERNELS[plan.kernel](x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias,
                                        **plan.kwargs)

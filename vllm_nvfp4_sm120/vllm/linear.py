@@ -29,12 +29,15 @@ from vllm.model_executor.utils import replace_parameter
 
 from ..dispatch import linear as dispatch_linear
 from ..dispatch import ops as _ops  # noqa: F401  (registers torch.ops.nvfp4_sm120.linear / .flashinfer_w4a16)
-from ..dispatch import vendor
+from ..dispatch import guard, vendor
 from ..dispatch.hw import Capability, capability_of
+from ..dispatch.shards import shard_refusal
 from ..dispatch.linear import AUTO_BACKEND, ROUTE_PREFILL, Route, backend_name
 from ..format import check_tensor
 from . import scale_policy
 from .log import layer_name, log_once
+from . import numerics
+from .numerics import apply_numerics_policy
 from .platform import current_capability
 
 _W_DEC_ROWS = "_nvfp4_sm120_w_dec_rows"
@@ -64,9 +67,34 @@ def _capability_of(layer: torch.nn.Module) -> Capability:
     return current_capability() or capability_of(layer.weight.device)
 
 
+def refuse_unservable_shard(layer: torch.nn.Module, k_per_rank: int) -> None:
+    """Raise at load when this rank's K cannot be served by any NVFP4 kernel (``dispatch.shards``).
+
+    A ``ValueError``, not a fallback: no NVFP4 kernel takes a K that is not whole 16-blocks, so vLLM's next kernel
+    would serve wrong block scales or fail at the first forward.  Every rank has the same K, so every rank raises.
+    """
+    full = getattr(layer, "input_size", None) or k_per_rank
+    tp = getattr(layer, "tp_size", 1) if k_per_rank != full else 1
+    if (why := shard_refusal(layer_name(layer), "K", full, k_per_rank, tp)) is not None:
+        raise ValueError(why)
+
+
 def layer_is_w4a4(layer: torch.nn.Module) -> bool:
     """W4A4 layers carry vLLM's activation globals; W4A16 checkpoints (and weight-only fallbacks) do not."""
     return getattr(layer, "input_global_scale_inv", None) is not None and getattr(layer, "alpha", None) is not None
+
+
+class _OtherRank:
+    """The guard's verdict when this rank's check passed and another tensor-parallel rank's failed."""
+
+    key = ("linear", "another rank")
+
+    @staticmethod
+    def describe() -> str:
+        return "a kernel of this layer failed the check on another tensor-parallel rank's GPU"
+
+
+OTHER_RANK_FAILED = _OtherRank()
 
 
 class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
@@ -116,20 +144,52 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         w4a4 = layer_is_w4a4(layer)
         kind = f"{type(layer).__name__} {'W4A4' if w4a4 else 'W4A16'}"
+        refuse_unservable_shard(layer, layer.weight.shape[-1] * 2)
+        apply_numerics_policy()
         n, k = self._check_layer(layer)
         if (why := self.layer_refusal(layer, n, k, w4a4)) is not None:
-            self._fallback = fallback_kernel(use_a16=not w4a4, exclude=(type(self),))
+            self._fall_back(layer, w4a4, exclude=(type(self),))
             log_once(
                 "warning", (kind, self.route, "fallback", why),
                 "nvfp4_sm120: route %s cannot take NVFP4 %s layers (first: %s): %s; using %s instead",
                 self.route, kind, layer_name(layer), why, type(self._fallback).__name__,
             )
-            scale_policy.drop_part_globals(layer)
+            self._fallback.process_weights_after_loading(layer)
+            return
+        if (failed := self._guard(layer, n, k)) is not None:
+            # Our routes share their small-T kernels: past a failed check, vLLM's own kernels serve the layer.
+            self._fall_back(layer, w4a4, exclude=KERNEL_CLASSES)
+            log_once(
+                "error", ("guard", failed.key),
+                "nvfp4_sm120: numerics guard: layer %s: %s; the layer runs vLLM's %s instead "
+                "(VLLM_NVFP4_SM120_GUARD=strict fails the load)",
+                layer_name(layer), failed.describe(), type(self._fallback).__name__,
+            )
             self._fallback.process_weights_after_loading(layer)
             return
         self._prepare_layer(layer, w4a4)
         log_once("info", (kind, self.route, type(self).__name__),
                   "nvfp4_sm120: NVFP4 %s layers use %s (route %s)", kind, type(self).__name__, self.route)
+
+    def _fall_back(self, layer: torch.nn.Module, w4a4: bool, exclude: tuple[type, ...]) -> None:
+        self._fallback = fallback_kernel(use_a16=not w4a4, exclude=exclude)
+        scale_policy.drop_part_globals(layer)
+
+    def _guard(self, layer: torch.nn.Module, n: int, k: int) -> guard.GuardResult | _OtherRank | None:
+        """The first plan of this layer's shape that fails the numerics guard on this GPU (``dispatch/guard.py``),
+        or None.  Runs on a synthetic problem of the layer's shape, before the layer is prepared, so a failure
+        leaves the checkpoint's tensors as they were for vLLM's kernel."""
+        mode, device = numerics.guard_mode(), layer.weight.device
+        if not guard.should_run(mode, device, numerics.FORCE_GUARD):
+            return None
+        try:
+            results = guard.guard_linear(self.route, n, k, activation_dtype(layer), device, mode=mode, force=True)
+        except guard.NumericsGuardError as e:
+            raise guard.NumericsGuardError(f"NVFP4 layer {layer_name(layer)}: {e}") from None
+        failed = next((r for r in results if not r.ok), None)
+        # Every rank takes the fallback if any rank's GPU failed the check (the same layers on every rank).
+        (any_failed,) = numerics.max_over_ranks([int(failed is not None)])
+        return failed if failed is not None else OTHER_RANK_FAILED if any_failed else None
 
     @staticmethod
     def _check_layer(layer: torch.nn.Module) -> tuple[int, int]:

@@ -41,11 +41,15 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import QuantKey, 
 from vllm.model_executor.utils import replace_parameter
 
 from ..dispatch import moe_ops  # registers torch.ops.nvfp4_sm120.moe: it must exist before any apply is traced
-from ..dispatch import vendor
+from ..dispatch import guard, vendor
+from ..dispatch.hw import capability_of
 from ..dispatch.linear import AUTO_BACKEND
+from ..dispatch.shards import shard_refusal
 from ..format import check_tensor
 from . import scale_policy
-from .log import layer_name
+from . import numerics
+from .log import layer_name, log_once
+from .numerics import apply_numerics_policy
 from .platform import current_capability
 from .scale_policy import COMPRESSED_TENSORS, MODELOPT  # noqa: F401  (the formats prepare_layer takes)
 
@@ -227,6 +231,13 @@ class Sm120NvFp4Experts(mk.FusedMoEExpertsModular):
         """The ``process_weights_after_loading`` of ``method`` (ModelOpt or compressed-tensors) for our experts."""
         name = layer_name(layer)
         w4a4 = not method.use_a16
+        # The down GEMM's K is this rank's share of I; a share that is not whole 16-blocks has no NVFP4 kernel
+        # (vLLM's MoE backends included: its w2 scales were loaded rounded down), so refuse, on every rank alike.
+        moe = method.moe
+        if (why := shard_refusal(name, "intermediate size I", moe.intermediate_size,
+                                 moe.intermediate_size_per_partition, moe.moe_parallel_config.tp_size)) is not None:
+            raise ValueError(why)
+        apply_numerics_policy()
         if fmt == COMPRESSED_TENSORS:
             # The modular kernel expects vLLM's `w13_weight` / `w2_weight` names (CT's own processing renames too).
             for n in ("w13", "w2"):
@@ -243,6 +254,8 @@ class Sm120NvFp4Experts(mk.FusedMoEExpertsModular):
             replace_parameter(layer, A2_ENC, scale_policy.static_input_enc(a2.dec, f"{name}.w2_input_scale",
                                                                             parallel))
 
+        cls._guard(method, layer, name, w4a4)
+
         method.moe_quant_config = method.get_fused_moe_quant_config(layer)
         method.moe_kernel = oracle.make_nvfp4_moe_kernel(
             moe_quant_config=method.moe_quant_config,
@@ -252,6 +265,37 @@ class Sm120NvFp4Experts(mk.FusedMoEExpertsModular):
             routing_tables=layer._expert_routing_tables(),
         )
         method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    @staticmethod
+    def _guard(method, layer: torch.nn.Module, name: str, w4a4: bool) -> None:
+        """The numerics guard on this layer's shape (``dispatch/guard.py``): a plan that fails on this GPU is
+        replaced by the portable Triton plan of its tier for every layer of the shape, with one error line."""
+        moe = method.moe
+        mode, device = numerics.guard_mode(), layer.w13_weight.device
+        if not guard.should_run(mode, device, numerics.FORCE_GUARD):
+            return
+        hidden, intermediate = layer.w13_weight.shape[2] * 2, layer.w2_weight.shape[2] * 2
+        try:
+            outcome = guard.guard_moe(
+                hidden=hidden, intermediate=intermediate, global_experts=moe.num_experts,
+                top_k=moe.experts_per_token, w4a4=w4a4, dtype=moe.in_dtype, device=device, mode=mode, force=True)
+        except guard.NumericsGuardError as e:
+            raise guard.NumericsGuardError(f"NVFP4 MoE layer {name}: {e}") from None
+        # Every rank runs a plan as far down the portable chain as any rank's GPU needed (same plans everywhere).
+        plans = list(outcome.depths)
+        fallbacks = dict(outcome.fallbacks)
+        for plan, depth in zip(plans, numerics.max_over_ranks([outcome.depths[p] for p in plans])):
+            if depth > outcome.depths[plan]:
+                fallbacks[plan] = guard.fall_back(capability_of(device), plan, depth, hidden=hidden,
+                                                  intermediate=intermediate)
+        failed = {r.key: r for r in outcome.results if not r.ok}
+        for plan, fallback in fallbacks.items():
+            why = next((r for r in failed.values() if r.key[1] == plan), None)
+            log_once("error", ("guard", plan, fallback),
+                     "nvfp4_sm120: numerics guard: MoE layer %s: %s; its shape runs %s/%s tier %s instead "
+                     "(VLLM_NVFP4_SM120_GUARD=strict fails the load)",
+                     name, why.describe() if why else f"{plan.tier} failed on another tensor-parallel rank",
+                     fallback.kernel, fallback.impl, fallback.tier)
 
     @classmethod
     def serves(cls, method) -> bool:

@@ -14,7 +14,8 @@ Linears (:mod:`.linear`)
 3. ``init_nvfp4_linear_kernel`` is replaced where vLLM defines and imported it, to resolve our names
    (:func:`select_nvfp4_linear_kernel`; it also reaches W4A16 checkpoints, where vLLM forces Marlin);
 4. ModelOpt's and compressed-tensors' weight processing first keep a copy of the per-part weight globals that
-   they are about to merge (:mod:`.scale_policy`), for layers whose kernel is ours.
+   they are about to merge (:mod:`.scale_policy`), for layers whose kernel is ours; ModelOpt's NVFP4 weight
+   creation refuses a per-rank K that no NVFP4 kernel serves with one line naming the layer and the TP size.
 
 MoE experts (:mod:`.moe`), for ModelOpt's and compressed-tensors' NVFP4 MoE methods
 
@@ -148,6 +149,17 @@ def _install_linear() -> None:
         return process(self, layer, role)
 
     _set(modelopt.KNvfp4Static, "process", modelopt_process)
+
+    # 4b. a per-rank K that no NVFP4 kernel serves: our one-line refusal instead of ModelOpt's generic one
+    create = modelopt.KNvfp4Static.create_weights
+
+    @functools.wraps(create)
+    def modelopt_create_weights(self, layer, role, ctx, shapes, wl):
+        if role is modelopt.WEIGHT:
+            linear.refuse_unservable_shard(layer, shapes.input_size_per_partition)
+        return create(self, layer, role, ctx, shapes, wl)
+
+    _set(modelopt.KNvfp4Static, "create_weights", modelopt_create_weights)
 
     ct_process = ct.CompressedTensorsW4A4Fp4.process_weights_after_loading
 

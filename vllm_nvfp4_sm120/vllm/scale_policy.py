@@ -12,7 +12,10 @@ Policy:
 
 * **W4A4 layers** use exactly vLLM's merged global (and vLLM's ``alpha``), block scales unchanged, so our routes
   compute what every in-tree kernel computes on the same layer.  The small-T W4A16 kernel that a W4A4 route runs
-  on the same weight uses that same global, so the layer's output does not jump with the batch size.  When the
+  on the same weight uses that same weight global; what changes with the batch size is the activations'
+  precision (bf16/fp16 at decode sizes, NVFP4 above), which moves a row's output by ~9.5 % of its norm per
+  linear (``dispatch/policy.py``; ``VLLM_NVFP4_SM120_DECODE=w4a4`` and vLLM's batch-invariant mode keep one
+  numerics at every T).  When the
   parts differ by more than ``format.SPREAD_WARN_FRACTION``, a load-time warning names the layer and the spread.
 * **W4A16 layers** keep each part's own global as a per-row decode tensor (no accuracy loss, nothing to warn).
 
