@@ -5,20 +5,25 @@
 * :data:`MOE_KERNELS`: ``(MoeKernel, Impl)`` → the ``(gate_up, down)`` launchers of the MoE layer flow; the Gluon
   ones take the Triton ones' arguments.
 
+* :func:`prepare_linear`: a plan's *ready* launcher for one shape, what the linear op caches per shape: the grid,
+  compile-time arguments and derived sizes fixed once, the launch checking nothing (the op validated its inputs).
+  Kernels without a ready form (the vendor routes) run their validating adapter with the plan's tile bound.
+
 Plus the Gluon gemv on the tile the dispatch picks (:func:`gemv`), for tools and tests that call it directly.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
 from ..kernels import fp4_routes, gluon_gemv, gluon_moe_w4a4, gluon_moe_w4a16, moe_w4a4, moe_w4a16
-from ..kernels.act_quant import quantize_act_nvfp4
-from ..kernels.w4a4_gemm import w4a4_gemm
+from ..kernels.act_quant import prepare_act_quant, quantize_act_nvfp4
+from ..kernels.w4a4_gemm import prepare_w4a4_gemm, w4a4_gemm
 from ..kernels.w4a16_dequant import w4a16_dequant_mm
-from ..kernels.w4a16_linear import w4a16_gemm, w4a16_gemv
+from ..kernels.w4a16_linear import prepare_w4a16_gemm, prepare_w4a16_gemv, w4a16_gemm, w4a16_gemv
 from . import vendor
 from .hw import capability_of
 from .linear import GLUON_GEMV_MAX_T, LinearKernel, Route, act_quant_config, gluon_gemv_plan
@@ -97,6 +102,73 @@ LINEAR_KERNELS: dict[LinearKernel, Callable[..., torch.Tensor]] = {
     LinearKernel.GLUON_GEMV_MMA: _gluon(gluon_gemv.MmaTile, gluon_gemv.gemv_mma),
     LinearKernel.FI_W4A16: _fi_w4a16,
 }
+
+
+# ---- ready launchers: one shape, inputs already validated by the linear op ----------------------------------------
+# Each builder takes (plan kwargs, T, N, K, device, dtype, has_bias) and returns run(x, w_codes, w_scales,
+# w_dec_rows, w_scales_swizzled, in_enc, alpha, bias) -> out for T, N, K > 0 (the op returns the trivial cases).
+# The weight may be a route's padded copy: the views of its first N rows and K columns are taken per call (a view
+# is cheap; the codes tensor a layer holds can be replaced at reload).
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _ready_w4a4_triton(tile, t, n, k, device, dtype, has_bias):
+    quant = prepare_act_quant(t, k, device, **act_quant_config(t, k))
+    gemm = prepare_w4a4_gemm(t, n, k, has_bias=has_bias, **tile)
+
+    def run(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias):
+        a_codes, a_scales = quant(x, in_enc)
+        codes, scales = _logical(w_codes, w_scales, n, k)
+        out = torch.empty((t, n), dtype=dtype, device=device)
+        return gemm(a_codes, a_scales.view(torch.uint8), codes, _u8(scales), alpha, bias, out)
+
+    return run
+
+
+def _ready_w4a16(prepare):
+    def build(tile, t, n, k, device, dtype, has_bias):
+        launch = prepare(t, n, k, has_bias=has_bias, **tile)
+
+        def run(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias):
+            codes, scales = _logical(w_codes, w_scales, n, k)
+            return launch(x, codes, _u8(scales), w_dec_rows, bias, torch.empty((t, n), dtype=dtype, device=device))
+
+        return run
+
+    return build
+
+
+def _ready_gluon(kind, tile_cls):
+    def build(tile, t, n, k, device, dtype, has_bias):
+        launch = gluon_gemv.prepare_gemv(kind, t, n, k, device, dtype, tile=tile_cls(**tile), has_bias=has_bias)
+
+        def run(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias):
+            codes, scales = _logical(w_codes, w_scales, n, k)
+            return launch(x, codes, _u8(scales), w_dec_rows, bias, torch.empty((t, n), dtype=dtype, device=device))
+
+        return run
+
+    return build
+
+
+READY_LINEAR: dict[LinearKernel, Callable[..., Callable[..., torch.Tensor]]] = {
+    LinearKernel.W4A4_TRITON: _ready_w4a4_triton,
+    LinearKernel.W4A16_GEMV: _ready_w4a16(prepare_w4a16_gemv),
+    LinearKernel.W4A16_GEMM: _ready_w4a16(prepare_w4a16_gemm),
+    LinearKernel.GLUON_GEMV_FMA: _ready_gluon("fma", gluon_gemv.FmaTile),
+    LinearKernel.GLUON_GEMV_MMA: _ready_gluon("mma", gluon_gemv.MmaTile),
+}
+
+
+def prepare_linear(plan, t: int, n: int, k: int, device: torch.device, dtype: torch.dtype, has_bias: bool):
+    """The ready launcher of ``plan`` for ``x [t, k]`` (``dtype`` on ``device``) and an ``[n, k]`` weight, with the
+    linear op's arguments; inputs must have passed the op's checks and ``t, n, k > 0``."""
+    build = READY_LINEAR.get(plan.kernel)
+    if build is None:
+        return functools.partial(LINEAR_KERNELS[plan.kernel], **plan.kwargs)
+    return build(plan.kwargs, t, n, k, device, dtype, has_bias)
 
 
 def gemv(x, w_codes, w_scales, w_dec_rows, *, bias=None, decode: int | None = None, out=None):
