@@ -6,8 +6,9 @@ for tracing.  The op writes the layer output into ``out`` (the buffer vLLM's mod
 nothing is allocated for the result and there is no extra copy.  Everything it allocates inside is sized from shapes
 and it never reads a device value on the host (see ``dispatch/moe_flow.py``): it can be captured in a CUDA graph.
 
-Registered the way vLLM registers its own ops (``dispatch/oplib.py``).  On CPU tensors it computes ``format.moe_ref`` in the form the dispatch plan selects, so the glue's CPU tests see
-the numerics of the kernels that would run.
+Registered the way vLLM registers its own ops (``dispatch/oplib.py``).  On CPU tensors it computes
+``format.moe_ref`` in the form the dispatch plan selects, so the glue's CPU tests see the numerics of the kernels
+that would run.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ def quantize_blocks_nvfp4(x, enc, NATIVE_E4M3: tl.constexpr, NATIVE_E2M1: tl.con
     return (lo | (hi << 4)).to(tl.uint8), sf_byte.to(tl.uint8)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "SF_ROWS"])  # token counts vary per call
 def _act_quant_kernel(
     x_ptr, enc_ptr, codes_ptr, sf_ptr,
     T, K, stride_xt, stride_ct, stride_st,

@@ -95,7 +95,7 @@ GEMV_MMA_DIVISIBLE = GEMV_FMA_DIVISIBLE
 if HAS_GLUON:
     from .gluon_common import e2m1_pairs, split_pairs
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["T"])  # token counts vary per call
     def _gemv_fma_kernel(
         x_ptr, w_ptr, ws_ptr, wdec_ptr, bias_ptr, out_ptr,
         T, N, stride_xt, stride_wn, stride_wsn, stride_ot,
@@ -170,7 +170,7 @@ if HAS_GLUON:
         out_ptrs = out_ptr + toks_o[:, None].to(gl.int64) * stride_ot + rows[None, :]
         gl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=(toks_o[:, None] < T) & row_ok[None, :])
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["T"])  # token counts vary per call
     def _gemv_mma_kernel(
         x_ptr, w_ptr, ws_ptr, wdec_ptr, bias_ptr, out_ptr,
         T, N, stride_xt, stride_wn, stride_wsn, stride_ot,

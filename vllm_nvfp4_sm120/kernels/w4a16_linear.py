@@ -57,7 +57,7 @@ W4A16_GEMV_DIVISIBLE = [k for k, v in W4A16_GEMV_SIGNATURE.items() if v.startswi
 ]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # token counts vary per call
 def _w4a16_gemv_kernel(
     x_ptr, w_ptr, w_sf_ptr, dec_ptr, bias_ptr, out_ptr, ws_ptr,
     T, N, K, K_SPLIT,
@@ -136,7 +136,7 @@ W4A16_FINISH_SIGNATURE = {
 W4A16_FINISH_DIVISIBLE = ["ws_ptr", "dec_ptr", "bias_ptr", "out_ptr", "N", "stride_ot"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # token counts vary per call
 def _w4a16_splitk_finish_kernel(
     ws_ptr, dec_ptr, bias_ptr, out_ptr,
     T, N, SPLIT_K, stride_ot,
@@ -176,7 +176,7 @@ W4A16_GEMM_DIVISIBLE = [k for k, v in W4A16_GEMM_SIGNATURE.items() if v.startswi
 ]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # token counts vary per call
 def _w4a16_gemm_kernel(
     x_ptr, w_ptr, w_sf_ptr, dec_ptr, bias_ptr, out_ptr,
     T, N, K,

@@ -33,7 +33,7 @@ W4A4_DIVISIBLE = [k for k, v in W4A4_SIGNATURE.items() if v.startswith("*")] + [
 ]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # token counts vary per call
 def _w4a4_gemm_kernel(
     a_ptr, a_sf_ptr, w_ptr, w_sf_ptr, out_ptr, alpha_ptr, bias_ptr,
     M, N, K,
