@@ -130,17 +130,23 @@ def _with(**changes):
     return lambda a: {**a, **{k: v(a) if callable(v) else v for k, v in changes.items()}}
 
 
+def _dev(a):
+    return a["x"].device
+
+
 BAD_INPUTS = [
     # K of x against the weight's: a plausible wrong result if the weight were sliced to x's K.
     ("x-K-short", _with(x=lambda a: a["x"][:, :48].contiguous()), ValueError,
      r"w_codes: expected shape \[48, 24\] for N = 48 .* K = 48"),
-    ("x-K-long", _with(x=lambda a: torch.zeros(5, 80, dtype=torch.bfloat16)), ValueError, r"w_codes: expected shape"),
-    ("x-K-not-16", _with(x=lambda a: torch.zeros(5, 40, dtype=torch.bfloat16)), ValueError,
+    ("x-K-long", _with(x=lambda a: torch.zeros(5, 80, dtype=torch.bfloat16, device=_dev(a))), ValueError,
+     r"w_codes: expected shape"),
+    ("x-K-not-16", _with(x=lambda a: torch.zeros(5, 40, dtype=torch.bfloat16, device=_dev(a))), ValueError,
      r"x: K = 40 .* multiple of 16"),
     # N: len(w_dec_rows) against the codes' rows (the op used to slice the codes to it).
     ("dec-rows-short", _with(w_dec_rows=lambda a: a["w_dec_rows"][:40].contiguous()), ValueError,
      r"w_codes: expected shape \[40, 32\] .* got \[48, 32\]"),
-    ("dec-rows-long", _with(w_dec_rows=lambda a: torch.ones(64)), ValueError, r"w_codes: expected shape \[64, 32\]"),
+    ("dec-rows-long", _with(w_dec_rows=lambda a: torch.ones(64, device=_dev(a))), ValueError,
+     r"w_codes: expected shape \[64, 32\]"),
     ("scales-K", _with(w_scales=lambda a: a["w_scales"][:, :2].contiguous()), ValueError,
      r"w_scales: expected shape \[48, 4\] .* got \[48, 2\]"),
     ("scales-N", _with(w_scales=lambda a: a["w_scales"][:40].contiguous()), ValueError,
@@ -148,28 +154,31 @@ BAD_INPUTS = [
     ("x-1d", _with(x=lambda a: a["x"][0].contiguous()), ValueError, r"x: expected 2-D tensor, got shape \(64,\)"),
     ("x-3d", _with(x=lambda a: a["x"].reshape(5, 1, K)), ValueError, r"x: expected 2-D tensor, got shape \(5, 1, 64\)"),
     ("x-fp32", _with(x=lambda a: a["x"].float()), TypeError, r"x: expected dtype bfloat16 or float16, got float32"),
-    ("x-strided-K", _with(x=lambda a: torch.zeros(5, 2 * K, dtype=torch.bfloat16)[:, ::2]), ValueError,
+    ("x-strided-K", _with(x=lambda a: torch.zeros(5, 2 * K, dtype=torch.bfloat16, device=_dev(a))[:, ::2]), ValueError,
      r"x: the last dimension must be contiguous"),
-    ("dec-rows-0d", _with(w_dec_rows=lambda a: torch.tensor(1.0)), ValueError,
+    ("dec-rows-0d", _with(w_dec_rows=lambda a: torch.tensor(1.0, device=_dev(a))), ValueError,
      r"w_dec_rows: expected 1-D tensor, got shape \(\)"),
     ("dec-rows-fp16", _with(w_dec_rows=lambda a: a["w_dec_rows"].half()), TypeError,
      r"w_dec_rows: expected dtype float32, got float16"),
     ("codes-dtype", _with(w_codes=lambda a: a["w_codes"].to(torch.int8)), TypeError,
      r"w_codes: expected dtype uint8, got int8"),
     ("scales-dtype", _with(w_scales=lambda a: a["w_scales"].float()), TypeError, r"w_scales: expected dtype"),
-    ("bias-length", _with(bias=lambda a: torch.zeros(N + 1, dtype=torch.bfloat16)), ValueError,
+    ("bias-length", _with(bias=lambda a: torch.zeros(N + 1, dtype=torch.bfloat16, device=_dev(a))), ValueError,
      r"bias: expected shape \[48\], got \[49\]"),
-    ("bias-dtype", _with(bias=lambda a: torch.zeros(N)), TypeError, r"bias: expected dtype bfloat16, got float32"),
-    ("alpha-length", _with(alpha=lambda a: torch.ones(2)), ValueError,
+    ("bias-dtype", _with(bias=lambda a: torch.zeros(N, device=_dev(a))), TypeError,
+     r"bias: expected dtype bfloat16, got float32"),
+    ("alpha-length", _with(alpha=lambda a: torch.ones(2, device=_dev(a))), ValueError,
      r"alpha: expected one fp32 value \(0-d or \[1\]\), got shape \[2\]"),
-    ("in-enc-length", _with(in_enc=lambda a: torch.ones(N)), ValueError, r"in_enc: expected one fp32 value"),
-    ("in-enc-dtype", _with(in_enc=lambda a: torch.ones(1, dtype=torch.float16)), TypeError, r"in_enc: expected dtype"),
+    ("in-enc-length", _with(in_enc=lambda a: torch.ones(N, device=_dev(a))), ValueError,
+     r"in_enc: expected one fp32 value"),
+    ("in-enc-dtype", _with(in_enc=lambda a: torch.ones(1, dtype=torch.float16, device=_dev(a))), TypeError,
+     r"in_enc: expected dtype"),
     ("route", _with(route="fastest"), ValueError, r"route: expected one of"),
     ("route-fi", _with(route="flashinfer_w4a16"), ValueError, r"call torch.ops.nvfp4_sm120.flashinfer_w4a16"),
     ("cublas-no-swizzled", _with(route="cublas"), TypeError,
      r"w_scales_swizzled \(route 'cublas'.*\): expected a torch.Tensor, got NoneType"),
-    ("swizzled-shape", _with(w_scales_swizzled=lambda a: torch.zeros(48, 4, dtype=torch.uint8)), ValueError,
-     r"w_scales_swizzled .*expected shape \[128, 4\], got \[48, 4\]"),
+    ("swizzled-shape", _with(w_scales_swizzled=lambda a: torch.zeros(48, 4, dtype=torch.uint8, device=_dev(a))),
+     ValueError, r"w_scales_swizzled .*expected shape \[128, 4\], got \[48, 4\]"),
 ]
 
 
@@ -198,7 +207,7 @@ def test_bad_input_named_error_gpu(case, gen):
     good = _to(_good(gen), "cuda")
     _call(good)
     with pytest.raises(exc, match=match):
-        _call(_to(change(good), "cuda"))
+        _call(change(good))
 
 
 @pytest.mark.gpu
