@@ -59,3 +59,13 @@ def test_compiles_on_gpu(capsys, tiny):
     code, out, err = run_cli(capsys, "warmup", "--checkpoint", tiny[("modelopt", "w4a4")], "--sizes", "1,24,200")
     assert code == 0, err
     assert "compiled and ran 9 calls" in out  # 2 linear shapes and 1 MoE layer at 3 sizes
+
+
+@pytest.mark.parametrize("act", ["w4a4", "w4a16"])
+def test_exercise_calls_every_layer_at_every_size_cpu(tiny, act):
+    """The calls warmup makes pass the ops' checks (on CPU they compute the references)."""
+    case = warmup.case_from_checkpoint(tiny[("modelopt", act)], sizes=(1, 24))
+    seen = []
+    r = warmup.exercise(case, device="cpu", progress=seen.append)
+    assert r["calls"] == len(seen) == 2 * (len(case.linears) + len(case.moe))
+    assert r["route"] == ("triton" if act == "w4a4" else "w4a16")

@@ -265,3 +265,37 @@ def test_fi_w4a16_plan_runs_the_same_op(monkeypatch):
     x, b, sf, alpha = (torch.empty(0) for _ in range(4))
     registry.LINEAR_KERNELS[LinearKernel.FI_W4A16](x, b, sf, torch.empty(48), None, None, alpha, None)
     assert seen["args"] == (x, b, sf, alpha, None, 48, "cute-dsl")
+
+
+# ---- ready launchers (what the op caches) against the validating launchers, in the interpreter on CPU -------------
+
+READY_PLANS = [
+    ("w4a16_gemv", dict(block_n=32, block_k=64, split_k=1, num_warps=4, num_stages=1)),
+    ("w4a16_gemv", dict(block_n=32, block_k=64, split_k=2, num_warps=4, num_stages=1)),  # split-K + finish kernel
+    ("w4a16_gemm", dict(block_m=16, block_n=32, block_k=64, group_m=8, num_warps=4, num_stages=1, swap_ab=False)),
+    ("w4a4_triton", dict(block_m=16, block_n=32, block_k=64, group_m=8, num_warps=4, num_stages=1)),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter check (the GPU tests run the op itself)")
+@pytest.mark.parametrize("padded", [False, True], ids=["codes", "padded-codes"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("kernel, tile", READY_PLANS, ids=[f"{k}-{i}" for i, (k, _) in enumerate(READY_PLANS)])
+def test_ready_launcher_matches_validating_launcher(kernel, tile, bias, padded, gen):
+    from vllm_nvfp4_sm120.dispatch.linear import LinearPlan
+
+    p = make_linear(48, 128, gen=gen)
+    t, n, k = 3, 48, 128
+    x = torch.randn(t, k, generator=gen).half()
+    codes, scales, dec, _, in_enc, alpha = _args(p, "cpu")
+    b = torch.randn(n, generator=gen).half() if bias else None
+    if padded:  # a route's padded copy (b12x pads N and K to 32): the kernels must read the first N rows, K columns
+        codes = torch.nn.functional.pad(codes, (0, 16, 0, 16))
+    plan = LinearPlan(LinearKernel(kernel), tuple(sorted(tile.items())))
+    ready = registry.prepare_linear(plan, registry.Ready(t, n, k, x.device, x.dtype, bias, codes_padded=padded))
+    got = ready(x, codes, scales, dec, None, in_enc, alpha, b)
+    want = registry.LINEAR_KERNELS[plan.kernel](x, codes, scales, dec, None, in_enc, alpha, b, **tile)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if kernel != "w4a4_triton":  # NVFP4 dot_scaled is wrong in the interpreter; the W4A16 kernels are exact there
+        ref = linear_w4a16_ref(x, p.codes, p.scales, p.dec_rows, bias=b)
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2**-8, atol=2e-3 * ref.float().abs().max().item())

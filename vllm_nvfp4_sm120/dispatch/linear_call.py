@@ -27,7 +27,7 @@ from ..kernels.fp4_routes import B12X_ALIGN
 from ..kernels.gluon_compat import ENV_DISABLE
 from .hw import SM120_REFERENCE, capability_of
 from .linear import ROUTES, LinearPlan, Route, select_linear
-from .registry import prepare_linear
+from .registry import Ready, prepare_linear
 
 # Environment variables the selectors read per call (a change takes effect at the next call).
 SELECTOR_ENV: tuple[str, ...] = (ENV_DISABLE,)
@@ -128,7 +128,9 @@ def _build(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, b
             return trivial_linear_output(torch.empty((t, n), dtype=dtype, device=dev), k, d, b)
 
         return trivial
-    return prepare_linear(plan, t, n, k, dev, dtype, bias is not None)
+    ready = Ready(t, n, k, dev, dtype, bias is not None, codes_padded=tuple(w_codes.shape) != (n, k // 2),
+                  scales_u8=w_scales.dtype == torch.uint8)
+    return prepare_linear(plan, ready)
 
 
 def linear(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias, route: str) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -105,35 +106,60 @@ LINEAR_KERNELS: dict[LinearKernel, Callable[..., torch.Tensor]] = {
 
 
 # ---- ready launchers: one shape, inputs already validated by the linear op ----------------------------------------
-# Each builder takes (plan kwargs, T, N, K, device, dtype, has_bias) and returns run(x, w_codes, w_scales,
-# w_dec_rows, w_scales_swizzled, in_enc, alpha, bias) -> out for T, N, K > 0 (the op returns the trivial cases).
-# The weight may be a route's padded copy: the views of its first N rows and K columns are taken per call (a view
-# is cheap; the codes tensor a layer holds can be replaced at reload).
+# Each builder takes (plan kwargs, Ready) and returns run(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled,
+# in_enc, alpha, bias) -> out for T, N, K > 0 (the op returns the trivial cases).  What is known from the call's
+# metadata is decided here once: whether the codes are a route's padded copy (then the first N rows and K columns
+# are viewed per call) and whether the scales need a uint8 view.
 
-def _u8(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+@dataclass(frozen=True)
+class Ready:
+    """What a ready launcher is built for: ``x [t, k]`` of ``dtype`` on ``device``, an ``[n, k]`` weight."""
+
+    t: int
+    n: int
+    k: int
+    device: torch.device
+    dtype: torch.dtype
+    has_bias: bool
+    codes_padded: bool = False
+    scales_u8: bool = False  # the scales arrive as uint8 bytes (no view needed)
+
+    def views(self):
+        """``(codes, scales) -> (codes, scales as uint8)`` for the kernels, as cheap as the metadata allows."""
+        n, kh = self.n, self.k // 2
+        if self.codes_padded:
+            if self.scales_u8:
+                return lambda c, s: (c[:n, :kh], s)
+            return lambda c, s: (c[:n, :kh], s.view(torch.uint8))
+        if self.scales_u8:
+            return lambda c, s: (c, s)
+        return lambda c, s: (c, s.view(torch.uint8))
 
 
-def _ready_w4a4_triton(tile, t, n, k, device, dtype, has_bias):
+def _ready_w4a4_triton(tile, r: Ready):
+    t, n, k, device, dtype = r.t, r.n, r.k, r.device, r.dtype
     quant = prepare_act_quant(t, k, device, **act_quant_config(t, k))
-    gemm = prepare_w4a4_gemm(t, n, k, has_bias=has_bias, **tile)
+    gemm = prepare_w4a4_gemm(t, n, k, has_bias=r.has_bias, **tile)
+    views = r.views()
 
     def run(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias):
         a_codes, a_scales = quant(x, in_enc)
-        codes, scales = _logical(w_codes, w_scales, n, k)
+        codes, scales = views(w_codes, w_scales)
         out = torch.empty((t, n), dtype=dtype, device=device)
-        return gemm(a_codes, a_scales.view(torch.uint8), codes, _u8(scales), alpha, bias, out)
+        return gemm(a_codes, a_scales.view(torch.uint8), codes, scales, alpha, bias, out)
 
     return run
 
 
 def _ready_w4a16(prepare):
-    def build(tile, t, n, k, device, dtype, has_bias):
-        launch = prepare(t, n, k, has_bias=has_bias, **tile)
+    def build(tile, r: Ready):
+        t, n, device, dtype = r.t, r.n, r.device, r.dtype
+        launch = prepare(t, n, r.k, has_bias=r.has_bias, **tile)
+        views = r.views()
 
         def run(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias):
-            codes, scales = _logical(w_codes, w_scales, n, k)
-            return launch(x, codes, _u8(scales), w_dec_rows, bias, torch.empty((t, n), dtype=dtype, device=device))
+            codes, scales = views(w_codes, w_scales)
+            return launch(x, codes, scales, w_dec_rows, bias, torch.empty((t, n), dtype=dtype, device=device))
 
         return run
 
@@ -141,12 +167,14 @@ def _ready_w4a16(prepare):
 
 
 def _ready_gluon(kind, tile_cls):
-    def build(tile, t, n, k, device, dtype, has_bias):
-        launch = gluon_gemv.prepare_gemv(kind, t, n, k, device, dtype, tile=tile_cls(**tile), has_bias=has_bias)
+    def build(tile, r: Ready):
+        t, n, device, dtype = r.t, r.n, r.device, r.dtype
+        launch = gluon_gemv.prepare_gemv(kind, t, n, r.k, device, dtype, tile=tile_cls(**tile), has_bias=r.has_bias)
+        views = r.views()
 
         def run(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias):
-            codes, scales = _logical(w_codes, w_scales, n, k)
-            return launch(x, codes, _u8(scales), w_dec_rows, bias, torch.empty((t, n), dtype=dtype, device=device))
+            codes, scales = views(w_codes, w_scales)
+            return launch(x, codes, scales, w_dec_rows, bias, torch.empty((t, n), dtype=dtype, device=device))
 
         return run
 
@@ -162,13 +190,13 @@ READY_LINEAR: dict[LinearKernel, Callable[..., Callable[..., torch.Tensor]]] = {
 }
 
 
-def prepare_linear(plan, t: int, n: int, k: int, device: torch.device, dtype: torch.dtype, has_bias: bool):
-    """The ready launcher of ``plan`` for ``x [t, k]`` (``dtype`` on ``device``) and an ``[n, k]`` weight, with the
-    linear op's arguments; inputs must have passed the op's checks and ``t, n, k > 0``."""
+def prepare_linear(plan, ready: Ready):
+    """The ready launcher of ``plan`` for ``ready``'s shape, with the linear op's arguments; inputs must have
+    passed the op's checks and ``t, n, k > 0``.  Kernels without a ready form run their validating adapter."""
     build = READY_LINEAR.get(plan.kernel)
     if build is None:
         return functools.partial(LINEAR_KERNELS[plan.kernel], **plan.kwargs)
-    return build(plan.kwargs, t, n, k, device, dtype, has_bias)
+    return build(plan.kwargs, ready)
 
 
 def gemv(x, w_codes, w_scales, w_dec_rows, *, bias=None, decode: int | None = None, out=None):

@@ -38,9 +38,36 @@ def gated_activation_f32(gate, up, ACTIVATION: tl.constexpr):
     return g * up
 
 
+# Metadata signatures (shapes, strides, dtypes, devices) of MoE layer calls and banks whose checks passed: banks
+# keep theirs after load, so the checks run once per layer shape and token count (bounded like the linear op's).
+_CHECKED: set[tuple] = set()
+_BANKS: dict[tuple, tuple[int, int, int]] = {}
+_MAX_CHECKED = 1 << 16
+
+
+def _meta(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
 def check_bank(name: str, codes, scales, dec, rows: int | None, k: int | None):
     """An expert bank ``name`` (``w13``, ``w2``) with ``rows`` rows of ``k`` weights (None: any); returns
-    ``(scales as uint8, E, rows, K)``."""
+    ``(scales as uint8, E, rows, K)``.
+
+    A layer's banks keep their metadata after load, so the checks run once per (bank, expectation) signature;
+    later calls look the signature up (every MoE launcher calls this twice per layer call)."""
+    import torch
+
+    key = (name, _meta(codes), _meta(scales), _meta(dec), rows, k)
+    dims = _BANKS.get(key)
+    if dims is None:
+        dims = _check_bank(name, codes, scales, dec, rows, k)
+        if len(_BANKS) >= _MAX_CHECKED:
+            _BANKS.clear()
+        _BANKS[key] = dims
+    return (scales if scales.dtype == torch.uint8 else scales.view(torch.uint8)), *dims
+
+
+def _check_bank(name: str, codes, scales, dec, rows: int | None, k: int | None) -> tuple[int, int, int]:
     import torch
 
     from ..format.checks import as_e4m3, check_tensor
@@ -56,7 +83,7 @@ def check_bank(name: str, codes, scales, dec, rows: int | None, k: int | None):
     scales = as_e4m3(f"{name}_scales", scales)
     check_tensor(f"{name}_scales", scales, shape=[e, n, kk // 16], last_dim_contiguous=True)
     check_tensor(f"{name}_dec", dec, dtype=torch.float32, shape=[e])
-    return scales.view(torch.uint8), e, n, kk
+    return e, n, kk
 
 
 def check_enc(name: str, enc):
@@ -165,16 +192,6 @@ def check_w4a4_down_inputs(a_codes, a_scales, w2_codes, w2_scales, w2_dec, topk_
     w_sf, _, h, _ = check_bank("w2", w2_codes, w2_scales, w2_dec, None, i)
     _check_down_out(topk_weights, align, out, deterministic, h)
     return w_sf, h, i, r
-
-
-# Metadata signatures (shapes, strides, dtypes, devices) of MoE layer calls whose checks passed: a layer's banks
-# keep theirs after load, so the checks run once per layer shape and token count (bounded like the linear op's).
-_CHECKED: set[tuple] = set()
-_MAX_CHECKED = 1 << 16
-
-
-def _meta(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
 def check_moe_layer(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
