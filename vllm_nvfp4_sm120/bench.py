@@ -888,6 +888,12 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--min-bytes", type=float, default=2e9, help="weight bytes per timed run (defeats the L2)")
         b.add_argument("--json", metavar="PATH", help="write rows as JSON ('-': stdout)")
         b.set_defaults(func=run_kernel_bench)
+    from . import bench_host
+
+    h = sub.add_parser("host", help="host time per call of our ops next to cuBLAS and a trivial Triton launch; "
+                                    "--cold: compile time from an empty Triton cache")
+    bench_host.add_args(h)
+    h.set_defaults(func=bench_host.run)
     return p
 
 

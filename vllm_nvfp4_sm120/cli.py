@@ -6,10 +6,11 @@
               --e2e: vLLM serving the checkpoint with our kernels and with its own (TTFT, decode tokens/s, outputs)
     selftest  every check this machine can run (references, sm_120 compiles, kernels on this GPU) → pass/fail table
     tune      time the dispatch's choices on this GPU and write measured configs the dispatch then uses
+    warmup    compile ahead the kernel variants a checkpoint's shapes meet (--dry-run: list them, no GPU needed)
 
 Layer 5: may import every layer.  vLLM is imported only inside ``bench`` (for its kernels; ``--e2e`` in a child
 process per arm), so ``env``, ``inspect``, ``selftest`` and ``tune`` also run on a machine with torch and Triton
-alone.
+alone, and so does ``warmup``.
 """
 
 from __future__ import annotations
@@ -124,6 +125,17 @@ def _selftest(args: argparse.Namespace) -> int:
     return 1 if any(r.status == "FAIL" for r in results) else 0
 
 
+def _warmup(args) -> int:
+    from .checkpoint import CheckpointError
+    from .warmup import main as warmup_main
+
+    try:
+        return warmup_main(args)
+    except (CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 # ---- parser --------------------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=_selftest)
 
     add_tune_args(sub.add_parser("tune", help="time the dispatch's choices on this GPU and write measured configs"))
+
+    wu = sub.add_parser("warmup", help="compile the kernel variants a checkpoint's shapes meet across vLLM's capture "
+                                       "sizes into $TRITON_CACHE_DIR (--dry-run: list them)")
+    wu.add_argument("--checkpoint", required=True, help="checkpoint directory (its shapes, read as inspect does)")
+    wu.add_argument("--dry-run", action="store_true", help="list the variants, compile nothing (no GPU needed)")
+    wu.add_argument("--sizes", help="comma list of batch sizes (default: vLLM's capture sizes and 1k-8k)")
+    wu.add_argument("--route", help="linear route (default: the one vLLM's auto choice takes first on this GPU)")
+    wu.set_defaults(func=_warmup)
     return parser
 
 

@@ -14,7 +14,7 @@ import torch
 
 from vllm_nvfp4_sm120.dispatch import guard as G
 from vllm_nvfp4_sm120.dispatch import moe as M
-from vllm_nvfp4_sm120.dispatch import ops, policy, registry
+from vllm_nvfp4_sm120.dispatch import linear_call, ops, policy, registry  # noqa: F401  (ops registers the op)
 from vllm_nvfp4_sm120.dispatch.hw import SM120_REFERENCE, Capability
 from vllm_nvfp4_sm120.dispatch.linear import LinearKernel, LinearPlan, Route, select_linear
 from vllm_nvfp4_sm120.dispatch.moe import Impl, MoeKernel
@@ -96,7 +96,7 @@ def test_probe_ts_reach_every_plan(max_t):
 def _stand_in(kernel, calls, *, wrong=None):
     def run(x, w_codes, w_scales, w_dec_rows, swizzled, in_enc, alpha, bias, **tile):
         calls.append((kernel, x.shape[0], tuple(sorted(tile.items()))))
-        out = ops._reference(LinearPlan(kernel), x, w_codes, w_scales, w_dec_rows, in_enc, alpha, bias)
+        out = linear_call.plan_reference(LinearPlan(kernel), x, w_codes, w_scales, w_dec_rows, in_enc, alpha, bias)
         return out if wrong is None else wrong(out)
 
     return run
@@ -223,6 +223,18 @@ def test_portable_plan_chain():
     assert step2.impl == Impl.TRITON and step2.decode and step2.block_m == 64
     assert G.portable_moe_plan(cap, step2, hidden=2048, intermediate=768) == step2
 
+
+
+def test_portable_plan_of_the_decode_plan():
+    """The align-free decode plan falls back to today's path (the smallest W4A16 tier), then its exact decode; its
+    guard problem has tokens (no BLOCK_M to size it by)."""
+    cap = Capability(90)
+    decode = M.decode_tier_plan(cap, 1, hidden=2048, intermediate=768)
+    assert decode.impl == Impl.DECODE and G._moe_tokens(decode) > 0
+    step1 = G.portable_moe_plan(cap, decode, hidden=2048, intermediate=768)
+    assert (step1.impl, step1.kernel, step1.block_m) == (Impl.TRITON, MoeKernel.W4A16, 16) and step1.fast_decode
+    step2 = G.portable_moe_plan(cap, step1, hidden=2048, intermediate=768)
+    assert not step2.fast_decode and step2.block_m == 16
 
 # ---- on the GPU present: the real kernels ----------------------------------------------------------------------------
 

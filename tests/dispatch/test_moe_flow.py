@@ -447,3 +447,84 @@ def test_gpu_op_decode_graph_replay_equals_eager(name, t, deterministic):
             assert torch.equal(out, eager)
         else:  # fp32 atomics: the last bits may differ between runs, never beyond the summation-order tolerance
             _assert_gpu_close(out, _gpu_ref(p))
+
+
+# ---- bad inputs: every tensor checked before anything reads it, the same on CPU (the reference) and a GPU ---------
+
+def _good_moe(gen):
+    w13, d13, w2, d2 = make_layer(4, 64, 32, gen)
+    x = torch.randn(3, 64, generator=gen).half()
+    tw, ti = topk_route(torch.randn(3, 4, generator=gen), 2)
+    return dict(x=x, w13_codes=w13.codes, w13_scales=w13.scales, w13_dec=d13, w2_codes=w2.codes,
+                w2_scales=w2.scales, w2_dec=d2, topk_weights=tw, topk_ids=ti)
+
+
+def _moe_with(**changes):
+    return lambda a: {**a, **{k: v(a) for k, v in changes.items()}}
+
+
+BAD_MOE = [
+    ("x-fp32", _moe_with(x=lambda a: a["x"].float()), TypeError, r"x: expected dtype bfloat16 or float16, got float32"),
+    ("x-1d", _moe_with(x=lambda a: a["x"][0]), ValueError, r"x: expected 2-D tensor"),
+    ("w13-H", _moe_with(x=lambda a: torch.zeros(3, 96, dtype=torch.float16)), ValueError,
+     r"w13_codes: expected shape \[E, \*, 48\], got \[4, 64, 32\]"),
+    ("w13-2d", _moe_with(w13_codes=lambda a: a["w13_codes"][0]), ValueError, r"w13_codes: expected 3-D tensor"),
+    ("w13-2I", _moe_with(w13_codes=lambda a: a["w13_codes"][:, :48].contiguous(),
+                         w13_scales=lambda a: a["w13_scales"][:, :48].contiguous()), ValueError,
+     r"w13_codes: 2I = 48 rows must be gate and up halves"),
+    ("w13-scales", _moe_with(w13_scales=lambda a: a["w13_scales"][:, :, :2].contiguous()), ValueError,
+     r"w13_scales: expected shape \[4, 64, 4\], got \[4, 64, 2\]"),
+    ("w13-dec-E", _moe_with(w13_dec=lambda a: a["w13_dec"][:3]), ValueError, r"w13_dec: expected shape \[4\]"),
+    ("w2-E", _moe_with(w2_codes=lambda a: a["w2_codes"][:3]), ValueError,
+     r"w2_codes: expected shape \[4, 64, 16\] .* got \[3, 64, 16\]"),
+    ("w2-H", _moe_with(w2_codes=lambda a: a["w2_codes"][:, :32].contiguous()), ValueError,
+     r"w2_codes: expected shape \[4, 64, 16\]"),
+    ("w2-I", _moe_with(w2_codes=lambda a: a["w2_codes"][:, :, :8].contiguous()), ValueError,
+     r"w2_codes: expected shape \[4, 64, 16\] .* got \[4, 64, 8\]"),
+    ("w2-scales", _moe_with(w2_scales=lambda a: a["w2_scales"][:2]), ValueError,
+     r"w2_scales: expected shape \[4, 64, 2\]"),
+    ("w2-dec-dtype", _moe_with(w2_dec=lambda a: a["w2_dec"].half()), TypeError, r"w2_dec: expected dtype float32"),
+    ("topk-ids-float", _moe_with(topk_ids=lambda a: a["topk_ids"].float()), TypeError, r"topk_ids: expected dtype"),
+    ("topk-weights-T", _moe_with(topk_weights=lambda a: a["topk_weights"][:2]), ValueError,
+     r"topk_weights: expected shape \[3, 2\]"),
+    ("a-enc-length", _moe_with(a13_enc=lambda a: torch.ones(2), a2_enc=lambda a: torch.ones(1)), ValueError,
+     r"a13_enc: expected one fp32 encode scale"),
+    ("expert-map-int64", _moe_with(expert_map=lambda a: torch.arange(4)), TypeError,
+     r"expert_map: expected dtype int32, got int64"),
+]
+
+
+_POSITIONAL = ("x", "w13_codes", "w13_scales", "w13_dec", "w2_codes", "w2_scales", "w2_dec", "topk_weights",
+               "topk_ids")
+
+
+def _moe_call(a):
+    positional = [a[k] for k in _POSITIONAL]
+    return nvfp4_moe(*positional, **{k: v for k, v in a.items() if k not in _POSITIONAL})
+
+
+@pytest.mark.parametrize("case", [pytest.param(c[1:], id=c[0]) for c in BAD_MOE])
+def test_bad_moe_input_named_error_cpu(case, gen):
+    change, exc, match = case
+    good = _good_moe(gen)
+    _moe_call(dict(good))
+    with pytest.raises(exc, match=match):
+        _moe_call(change(good))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [pytest.param(c[1:], id=c[0]) for c in BAD_MOE])
+def test_bad_moe_input_named_error_gpu(case, gen):
+    change, exc, match = case
+    good = {k: v.cuda() for k, v in _good_moe(gen).items()}
+    _moe_call(dict(good))
+    with pytest.raises(exc, match=match):
+        _moe_call({k: v.cuda() for k, v in change(good).items()})
+
+
+@pytest.mark.gpu
+def test_moe_bank_on_another_device(gen):
+    a = {k: v.cuda() for k, v in _good_moe(gen).items()}
+    a["w2_dec"] = a["w2_dec"].cpu()
+    with pytest.raises(ValueError, match=r"w2_dec: expected a tensor on cuda"):
+        _moe_call(a)

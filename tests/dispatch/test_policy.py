@@ -15,6 +15,7 @@ from vllm_nvfp4_sm120.dispatch.hw import SM120_REFERENCE, Capability
 from vllm_nvfp4_sm120.dispatch.linear import ROUTES, W4A4_ROUTES, Route, select_linear
 from vllm_nvfp4_sm120.dispatch.moe import MoeKernel, select_moe_plan
 from vllm_nvfp4_sm120.format import GlobalScale, make_linear, make_moe_bank, topk_route
+from vllm_nvfp4_sm120.format.swizzle import swizzle_128x4
 
 TS = (1, 3, 16, 17, 64)
 SELECT_TS = (1, 2, 3, 8, 9, 16, 17, 32, 33, 64, 65, 128, 255, 256, 1024, 8192)
@@ -100,8 +101,9 @@ def _linear_outputs(route, gen):
     x = torch.randn(max(TS), 512, generator=gen).to(torch.bfloat16)
     alpha = p.input_gs.dec * p.weight_gs.dec
     bias = torch.randn(48, generator=gen).to(torch.bfloat16)
-    return {t: torch.ops.nvfp4_sm120.linear(x[:t], p.codes, p.scales, p.dec_rows, None, p.input_gs.enc, alpha, bias,
-                                            route) for t in TS}
+    swizzled = swizzle_128x4(p.scales) if route in ("cublas", "b12x") else None  # those routes' scale layout
+    return {t: torch.ops.nvfp4_sm120.linear(x[:t], p.codes, p.scales, p.dec_rows, swizzled, p.input_gs.enc, alpha,
+                                            bias, route) for t in TS}
 
 
 def _moe_outputs(gen, *, w4a4=True):

@@ -385,7 +385,7 @@ def task_load_outcome_guard_failing_on_rank(ckpt_dir: str, case: Case, failing_r
 
     from vllm_nvfp4_sm120.dispatch import guard as G
     from vllm_nvfp4_sm120.dispatch import moe as M
-    from vllm_nvfp4_sm120.dispatch import ops, policy, registry
+    from vllm_nvfp4_sm120.dispatch import linear_call, ops, policy, registry  # noqa: F401  (ops registers the op)
     from vllm_nvfp4_sm120.dispatch.linear import LinearKernel, LinearPlan
     from vllm_nvfp4_sm120.dispatch.moe import Impl, MoeKernel
     from vllm_nvfp4_sm120.vllm import linear as ours
@@ -397,7 +397,8 @@ def task_load_outcome_guard_failing_on_rank(ckpt_dir: str, case: Case, failing_r
         factor = 1.25 if wrong and kernel is LinearKernel.W4A4_TRITON else 1.0
 
         def run(x, w_codes, w_scales, w_dec_rows, swizzled, in_enc, alpha, bias, **tile):
-            return ops._reference(LinearPlan(kernel), x, w_codes, w_scales, w_dec_rows, in_enc, alpha, bias) * factor
+            ref = linear_call.plan_reference(LinearPlan(kernel), x, w_codes, w_scales, w_dec_rows, in_enc, alpha, bias)
+            return ref * factor
         return run
 
     records = []

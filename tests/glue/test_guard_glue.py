@@ -13,7 +13,7 @@ from vllm.config import set_current_vllm_config
 
 import nvfp4_layers as NL
 from vllm_nvfp4_sm120.dispatch import guard as G
-from vllm_nvfp4_sm120.dispatch import ops, registry
+from vllm_nvfp4_sm120.dispatch import linear_call, ops, registry  # noqa: F401  (ops registers the op)
 from vllm_nvfp4_sm120.dispatch.linear import LinearKernel, LinearPlan
 from vllm_nvfp4_sm120.vllm import linear as ours
 from vllm_nvfp4_sm120.vllm import numerics
@@ -35,7 +35,8 @@ def forced(monkeypatch):
     def stand_in(kernel, factor=1.0):
         def run(x, w_codes, w_scales, w_dec_rows, swizzled, in_enc, alpha, bias, **tile):
             calls.append(kernel)
-            return ops._reference(LinearPlan(kernel), x, w_codes, w_scales, w_dec_rows, in_enc, alpha, bias) * factor
+            ref = linear_call.plan_reference(LinearPlan(kernel), x, w_codes, w_scales, w_dec_rows, in_enc, alpha, bias)
+            return ref * factor
         return run
 
     for kernel in LinearKernel:

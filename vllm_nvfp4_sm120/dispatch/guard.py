@@ -34,7 +34,7 @@ import torch
 from ..format import GlobalScale
 from .hw import SM120_REFERENCE, Capability, capability_of
 from .linear import LinearPlan, Route, select_linear
-from .moe import Impl, MoeKernel, MoePlan, moe_guard_key, select_moe_plan, tier_plan
+from .moe import Impl, MoeKernel, MoePlan, moe_guard_key, select_moe_plan, tier_plan, tiers_moe_plan
 from .policy import set_substitute
 
 
@@ -250,7 +250,7 @@ def guard_linear(route: Route | str, n: int, k: int, dtype: torch.dtype, device:
     route = Route(route)
     if not should_run(mode, device, force) or route is Route.FLASHINFER_W4A16:
         return []  # flashinfer_w4a16 runs its own op on FlashInfer's prepared weight (a comparison route)
-    from .ops import _reference
+    from .linear_call import plan_reference
 
     cap = _cap(device)
     gpu = gpu_description(device)
@@ -276,7 +276,7 @@ def guard_linear(route: Route | str, n: int, k: int, dtype: torch.dtype, device:
             x = x_all[:t]
             got = run_linear_plan(plan, x, codes_r, scales, dec_rows, swizzled, in_enc, alpha)
             with _exact_fp32():
-                ref = _reference(plan, x, codes, scales, dec_rows, in_enc, alpha, None)
+                ref = plan_reference(plan, x, codes, scales, dec_rows, in_enc, alpha, None)
             c = compare(got, ref, ties=plan.is_w4a4)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -298,6 +298,10 @@ GUARD_TOP_K = 2
 def portable_moe_plan(cap: Capability, plan: MoePlan, *, hidden: int, intermediate: int) -> MoePlan:
     """What a failing MoE plan falls back to: the Triton plan of its tier, and below that the same plan without
     the native sm_120 pieces (the exact FP4 self-decode instead of the FP4 MMA, no inline-PTX e2m1 decode)."""
+    if plan.impl == Impl.DECODE:
+        # The align-free decode kernels have no portable variant of their own: today's path, the smallest tier.
+        return tiers_moe_plan(cap, num_tokens=1, top_k=1, global_experts=1, hidden=hidden, intermediate=intermediate,
+                              w4a4=False)
     if plan.impl == Impl.GLUON:
         triton_plan = tier_plan(cap, MoeKernel(plan.kernel), plan.block_m, hidden=hidden, intermediate=intermediate)
         if triton_plan is not None:
@@ -310,8 +314,9 @@ def portable_moe_plan(cap: Capability, plan: MoePlan, *, hidden: int, intermedia
 
 
 def _moe_tokens(plan: MoePlan) -> int:
-    """Enough tokens for a few BLOCK_M tiles per expert of the synthetic problem."""
-    return 2 * plan.block_m * GUARD_EXPERTS // GUARD_TOP_K
+    """Enough tokens for a few BLOCK_M tiles per expert of the synthetic problem; for the align-free decode plan
+    (no BLOCK_M) two routes per expert, so its gate_up reads an expert once for several tokens."""
+    return 2 * max(plan.block_m, 1) * GUARD_EXPERTS // GUARD_TOP_K
 
 
 def _check_moe_plan(plan: MoePlan, hidden: int, intermediate: int, dtype, device, gpu: str, problem) -> GuardResult:

@@ -17,10 +17,11 @@ from __future__ import annotations
 import torch
 
 from ..format import GlobalScale, NvFp4, moe_ref
-from ..format.checks import ACT_DTYPES, check_tensor
+from ..format.checks import check_tensor
 from ..format.reference import ACTIVATIONS
 from ..kernels.common import interpreting
 from ..kernels.moe_align import moe_align, moe_sum
+from ..kernels.moe_common import check_moe_layer
 from ..kernels.moe_decode import down_expert_workspace
 from ..kernels.moe_w4a4 import moe_quant_input
 from .hw import capability_of
@@ -55,7 +56,8 @@ def nvfp4_moe(
     activation output directly, as the fused epilogue does).  ``plan`` overrides the dispatch (tests; on CPU with
     ``TRITON_INTERPRET=1`` it runs the kernels in the interpreter).
     """
-    check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
+    check_moe_layer(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
+                    a13_enc, a2_enc, expert_map)  # every tensor, CPU and GPU alike, before anything reads them
     t, h = x.shape
     if (a13_enc is None) != (a2_enc is None):
         raise ValueError("a13_enc and a2_enc: give both (W4A4) or neither (W4A16)")

@@ -6,8 +6,9 @@ for tracing.  The op writes the layer output into ``out`` (the buffer vLLM's mod
 nothing is allocated for the result and there is no extra copy.  Everything it allocates inside is sized from shapes
 and it never reads a device value on the host (see ``dispatch/moe_flow.py``): it can be captured in a CUDA graph.
 
-On CPU tensors it computes ``format.moe_ref`` in the form the dispatch plan selects, so the glue's CPU tests see
-the numerics of the kernels that would run.
+Registered the way vLLM registers its own ops (``dispatch/oplib.py``).  On CPU tensors it computes
+``format.moe_ref`` in the form the dispatch plan selects, so the glue's CPU tests see the numerics of the kernels
+that would run.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from __future__ import annotations
 import torch
 
 from .moe_flow import ACTIVATIONS, nvfp4_moe
+from .oplib import register_op
 
 __all__ = ["ACTIVATIONS", "moe"]
 
 
-@torch.library.custom_op("nvfp4_sm120::moe", mutates_args=("out",))
-def moe(
+def _moe(
     x: torch.Tensor,
     w13_codes: torch.Tensor,
     w13_scales: torch.Tensor,
@@ -50,8 +51,11 @@ def moe(
     )
 
 
-@moe.register_fake
-def _(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, a13_enc, a2_enc,
-      expert_map, activation, deterministic, out):
+def _moe_fake(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, a13_enc,
+              a2_enc, expert_map, activation, deterministic, out):
     # The result lives in ``out``; nothing to allocate or describe.
     return None
+
+
+# Registered the way vLLM registers its own ops (see oplib): no per-call custom_op wrapper.
+moe = register_op("moe", _moe, _moe_fake, mutates_args=("out",))

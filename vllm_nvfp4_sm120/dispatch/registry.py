@@ -6,20 +6,26 @@
   ones take the Triton ones' arguments; the decode pair (``Impl.DECODE``, W4A16 only) takes the routing tensors
   directly (no alignment), its down one of the two down kernels by the plan's ``by_expert``.
 
+* :func:`prepare_linear`: a plan's *ready* launcher for one shape, what the linear op caches per shape: the grid,
+  compile-time arguments and derived sizes fixed once, the launch checking nothing (the op validated its inputs).
+  Kernels without a ready form (the vendor routes) run their validating adapter with the plan's tile bound.
+
 Plus the Gluon gemv on the tile the dispatch picks (:func:`gemv`), for tools and tests that call it directly.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from ..kernels import fp4_routes, gluon_gemv, gluon_moe_w4a4, gluon_moe_w4a16, moe_decode, moe_w4a4, moe_w4a16
-from ..kernels.act_quant import quantize_act_nvfp4
-from ..kernels.w4a4_gemm import w4a4_gemm
+from ..kernels.act_quant import prepare_act_quant, quantize_act_nvfp4
+from ..kernels.w4a4_gemm import prepare_w4a4_gemm, w4a4_gemm
 from ..kernels.w4a16_dequant import w4a16_dequant_mm
-from ..kernels.w4a16_linear import w4a16_gemm, w4a16_gemv
+from ..kernels.w4a16_linear import prepare_w4a16_gemm, prepare_w4a16_gemv, w4a16_gemm, w4a16_gemv
 from . import vendor
 from .hw import capability_of
 from .linear import GLUON_GEMV_MAX_T, LinearKernel, Route, act_quant_config, gluon_gemv_plan
@@ -98,6 +104,100 @@ LINEAR_KERNELS: dict[LinearKernel, Callable[..., torch.Tensor]] = {
     LinearKernel.GLUON_GEMV_MMA: _gluon(gluon_gemv.MmaTile, gluon_gemv.gemv_mma),
     LinearKernel.FI_W4A16: _fi_w4a16,
 }
+
+
+# ---- ready launchers: one shape, inputs already validated by the linear op ----------------------------------------
+# Each builder takes (plan kwargs, Ready) and returns run(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled,
+# in_enc, alpha, bias) -> out for T, N, K > 0 (the op returns the trivial cases).  What is known from the call's
+# metadata is decided here once: whether the codes are a route's padded copy (then the first N rows and K columns
+# are viewed per call) and whether the scales need a uint8 view.
+
+@dataclass(frozen=True)
+class Ready:
+    """What a ready launcher is built for: ``x [t, k]`` of ``dtype`` on ``device``, an ``[n, k]`` weight."""
+
+    t: int
+    n: int
+    k: int
+    device: torch.device
+    dtype: torch.dtype
+    has_bias: bool
+    codes_padded: bool = False
+    scales_u8: bool = False  # the scales arrive as uint8 bytes (no view needed)
+
+    def views(self):
+        """``(codes, scales) -> (codes, scales as uint8)`` for the kernels, as cheap as the metadata allows."""
+        n, kh = self.n, self.k // 2
+        if self.codes_padded:
+            if self.scales_u8:
+                return lambda c, s: (c[:n, :kh], s)
+            return lambda c, s: (c[:n, :kh], s.view(torch.uint8))
+        if self.scales_u8:
+            return lambda c, s: (c, s)
+        return lambda c, s: (c, s.view(torch.uint8))
+
+
+def _ready_w4a4_triton(tile, r: Ready):
+    t, n, k, device, dtype = r.t, r.n, r.k, r.device, r.dtype
+    quant = prepare_act_quant(t, k, device, **act_quant_config(t, k))
+    gemm = prepare_w4a4_gemm(t, n, k, has_bias=r.has_bias, **tile)
+    views = r.views()
+
+    def run(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias):
+        a_codes, a_scales = quant(x, in_enc)
+        codes, scales = views(w_codes, w_scales)
+        out = torch.empty((t, n), dtype=dtype, device=device)
+        return gemm(a_codes, a_scales.view(torch.uint8), codes, scales, alpha, bias, out)
+
+    return run
+
+
+def _ready_w4a16(prepare):
+    def build(tile, r: Ready):
+        t, n, device, dtype = r.t, r.n, r.device, r.dtype
+        launch = prepare(t, n, r.k, has_bias=r.has_bias, **tile)
+        views = r.views()
+
+        def run(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias):
+            codes, scales = views(w_codes, w_scales)
+            return launch(x, codes, scales, w_dec_rows, bias, torch.empty((t, n), dtype=dtype, device=device))
+
+        return run
+
+    return build
+
+
+def _ready_gluon(kind, tile_cls):
+    def build(tile, r: Ready):
+        t, n, device, dtype = r.t, r.n, r.device, r.dtype
+        launch = gluon_gemv.prepare_gemv(kind, t, n, r.k, device, dtype, tile=tile_cls(**tile), has_bias=r.has_bias)
+        views = r.views()
+
+        def run(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias):
+            codes, scales = views(w_codes, w_scales)
+            return launch(x, codes, scales, w_dec_rows, bias, torch.empty((t, n), dtype=dtype, device=device))
+
+        return run
+
+    return build
+
+
+READY_LINEAR: dict[LinearKernel, Callable[..., Callable[..., torch.Tensor]]] = {
+    LinearKernel.W4A4_TRITON: _ready_w4a4_triton,
+    LinearKernel.W4A16_GEMV: _ready_w4a16(prepare_w4a16_gemv),
+    LinearKernel.W4A16_GEMM: _ready_w4a16(prepare_w4a16_gemm),
+    LinearKernel.GLUON_GEMV_FMA: _ready_gluon("fma", gluon_gemv.FmaTile),
+    LinearKernel.GLUON_GEMV_MMA: _ready_gluon("mma", gluon_gemv.MmaTile),
+}
+
+
+def prepare_linear(plan, ready: Ready):
+    """The ready launcher of ``plan`` for ``ready``'s shape, with the linear op's arguments; inputs must have
+    passed the op's checks and ``t, n, k > 0``.  Kernels without a ready form run their validating adapter."""
+    build = READY_LINEAR.get(plan.kernel)
+    if build is None:
+        return functools.partial(LINEAR_KERNELS[plan.kernel], **plan.kwargs)
+    return build(plan.kwargs, ready)
 
 
 def gemv(x, w_codes, w_scales, w_dec_rows, *, bias=None, decode: int | None = None, out=None):

@@ -134,7 +134,7 @@ def quantize_blocks_nvfp4(x, enc, NATIVE_E4M3: tl.constexpr, NATIVE_E2M1: tl.con
     return (lo | (hi << 4)).to(tl.uint8), sf_byte.to(tl.uint8)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "SF_ROWS"])  # token counts vary per call
 def _act_quant_kernel(
     x_ptr, enc_ptr, codes_ptr, sf_ptr,
     T, K, stride_xt, stride_ct, stride_st,
@@ -242,16 +242,37 @@ def quantize_act_nvfp4(
         )
     if sf_rows == 0:
         return out_codes, out_scales
+    run = prepare_act_quant(t, k, x.device, block_t=block_t, block_k=block_k, num_warps=num_warps, swizzled=swizzled,
+                            native_e4m3=native_e4m3, native_e2m1=native_e2m1)
+    return run(x, in_enc, out_codes, out_scales)
+
+
+def prepare_act_quant(t: int, k: int, device, *, block_t: int, block_k: int, num_warps: int, swizzled: bool = False,
+                      native_e4m3: bool | None = None, native_e2m1: bool | None = None):
+    """A ready launch of :func:`quantize_act_nvfp4` for ``x [t, k]`` on ``device`` (grid and compile-time arguments
+    fixed once).  The returned ``run(x, in_enc, out_codes=None, out_scales=None) -> (codes, scales)`` checks
+    nothing: its inputs are those :func:`quantize_act_nvfp4` accepts (``t > 0``), the outputs allocated when not
+    given."""
+    import torch
+
+    from ..format.swizzle import swizzled_shape
+
+    sf_rows, sf_cols = swizzled_shape(t, k // 16) if swizzled else (t, k // 16)
     if native_e4m3 is None:
-        native_e4m3 = x.device.type == "cuda"  # the interpreter's fp8 cast is not RNE
+        native_e4m3 = device.type == "cuda"  # the interpreter's fp8 cast is not RNE
     if native_e2m1 is None:
-        native_e2m1 = has_native_e2m1(x.device)
-    grid = (triton.cdiv(sf_rows, block_t), triton.cdiv(sf_cols * 16, block_k))
-    _act_quant_kernel[grid](
-        x, in_enc, out_codes, out_scales.view(torch.uint8),
-        t, k, x.stride(0), out_codes.stride(0), out_scales.stride(0),
-        sf_rows, sf_cols,
-        SWIZZLED=swizzled, NATIVE_E4M3=native_e4m3, NATIVE_E2M1=native_e2m1, BLOCK_T=block_t, BLOCK_K=block_k,
-        num_warps=num_warps,
-    )
-    return out_codes, out_scales
+        native_e2m1 = has_native_e2m1(device)
+    launch = _act_quant_kernel[(triton.cdiv(sf_rows, block_t), triton.cdiv(sf_cols * 16, block_k))]
+    const = dict(SWIZZLED=swizzled, NATIVE_E4M3=native_e4m3, NATIVE_E2M1=native_e2m1, BLOCK_T=block_t,
+                 BLOCK_K=block_k, num_warps=num_warps)
+
+    def run(x, in_enc, out_codes=None, out_scales=None):
+        if out_codes is None:
+            out_codes = torch.empty((t, k // 2), dtype=torch.uint8, device=x.device)
+        if out_scales is None:
+            out_scales = torch.empty((sf_rows, sf_cols), dtype=torch.float8_e4m3fn, device=x.device)
+        launch(x, in_enc, out_codes, out_scales.view(torch.uint8), t, k, x.stride(0), out_codes.stride(0),
+               out_scales.stride(0), sf_rows, sf_cols, **const)
+        return out_codes, out_scales
+
+    return run

@@ -95,7 +95,7 @@ GEMV_MMA_DIVISIBLE = GEMV_FMA_DIVISIBLE
 if HAS_GLUON:
     from .gluon_common import e2m1_pairs, split_pairs
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["T"])  # token counts vary per call
     def _gemv_fma_kernel(
         x_ptr, w_ptr, ws_ptr, wdec_ptr, bias_ptr, out_ptr,
         T, N, stride_xt, stride_wn, stride_wsn, stride_ot,
@@ -170,7 +170,7 @@ if HAS_GLUON:
         out_ptrs = out_ptr + toks_o[:, None].to(gl.int64) * stride_ot + rows[None, :]
         gl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=(toks_o[:, None] < T) & row_ok[None, :])
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["T"])  # token counts vary per call
     def _gemv_mma_kernel(
         x_ptr, w_ptr, ws_ptr, wdec_ptr, bias_ptr, out_ptr,
         T, N, stride_xt, stride_wn, stride_wsn, stride_ot,
@@ -271,6 +271,30 @@ def _check_gemv_args(fn, x, w_codes, w_scales, w_dec_rows, bias, out):
     return t, n, k, w_scales, out
 
 
+def prepare_gemv(kind: str, t: int, n: int, k: int, device, dtype, *, tile: FmaTile | MmaTile, has_bias: bool,
+                 decode: int | None = None):
+    """A ready launch of the ``kind`` ("fma" / "mma") gemv for ``x [t, k]`` of ``dtype`` on ``device`` and an
+    ``[n, k]`` weight: grid and compile-time arguments fixed here, once.  The returned
+    ``run(x, w_codes, w_scales_u8, w_dec_rows, bias, out) -> out`` checks nothing: its inputs are those
+    :func:`gemv_fma` / :func:`gemv_mma` accept, with ``t, n, k > 0`` (the callers' trivial cases are theirs)."""
+    decode = default_decode(device, dtype) if decode is None else decode
+    const = dict(K=k, HAS_BIAS=has_bias, DECODE=decode, BLOCK_T=tile.block_t, WARPS=tile.num_warps,
+                 num_warps=tile.num_warps)
+    if kind == "fma":
+        kernel, block_rows = _gemv_fma_kernel, tile.block_n
+        const["ROWS_PER_WARP"] = tile.rows_per_warp
+    else:
+        kernel, block_rows = _gemv_mma_kernel, tile.block_m
+    launch = kernel[(triton.cdiv(n, block_rows), triton.cdiv(t, tile.block_t))]
+
+    def run(x, w_codes, w_scales_u8, w_dec_rows, bias, out):
+        launch(x, w_codes, w_scales_u8, w_dec_rows, out if bias is None else bias, out,
+               t, n, x.stride(0), w_codes.stride(0), w_scales_u8.stride(0), out.stride(0), **const)
+        return out
+
+    return run
+
+
 def gemv_fma(x, w_codes, w_scales, w_dec_rows, *, tile: FmaTile, bias=None, decode: int | None = None, out=None):
     """``(x @ W^T) * w_dec_rows (+ bias)`` on CUDA cores; meant for T <= 2 (any T works, in blocks of tile.block_t).
 
@@ -279,15 +303,8 @@ def gemv_fma(x, w_codes, w_scales, w_dec_rows, *, tile: FmaTile, bias=None, deco
     t, n, k, w_scales, out = _check_gemv_args("gemv_fma", x, w_codes, w_scales, w_dec_rows, bias, out)
     if (done := trivial_linear_output(out, k, w_dec_rows, bias)) is not None:
         return done
-    decode = default_decode(x.device, x.dtype) if decode is None else decode
-    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(t, tile.block_t))
-    _gemv_fma_kernel[grid](
-        x, w_codes, w_scales.view(torch.uint8), w_dec_rows, bias if bias is not None else out, out,
-        t, n, x.stride(0), w_codes.stride(0), w_scales.stride(0), out.stride(0),
-        K=k, HAS_BIAS=bias is not None, DECODE=decode, BLOCK_T=tile.block_t,
-        ROWS_PER_WARP=tile.rows_per_warp, WARPS=tile.num_warps, num_warps=tile.num_warps,
-    )
-    return out
+    run = prepare_gemv("fma", t, n, k, x.device, x.dtype, tile=tile, has_bias=bias is not None, decode=decode)
+    return run(x, w_codes, w_scales.view(torch.uint8), w_dec_rows, bias, out)
 
 
 def gemv_mma(x, w_codes, w_scales, w_dec_rows, *, tile: MmaTile, bias=None, decode: int | None = None, out=None):
@@ -297,12 +314,5 @@ def gemv_mma(x, w_codes, w_scales, w_dec_rows, *, tile: MmaTile, bias=None, deco
     t, n, k, w_scales, out = _check_gemv_args("gemv_mma", x, w_codes, w_scales, w_dec_rows, bias, out)
     if (done := trivial_linear_output(out, k, w_dec_rows, bias)) is not None:
         return done
-    decode = default_decode(x.device, x.dtype) if decode is None else decode
-    grid = (triton.cdiv(n, tile.block_m), triton.cdiv(t, tile.block_t))
-    _gemv_mma_kernel[grid](
-        x, w_codes, w_scales.view(torch.uint8), w_dec_rows, bias if bias is not None else out, out,
-        t, n, x.stride(0), w_codes.stride(0), w_scales.stride(0), out.stride(0),
-        K=k, HAS_BIAS=bias is not None, DECODE=decode, BLOCK_T=tile.block_t, WARPS=tile.num_warps,
-        num_warps=tile.num_warps,
-    )
-    return out
+    run = prepare_gemv("mma", t, n, k, x.device, x.dtype, tile=tile, has_bias=bias is not None, decode=decode)
+    return run(x, w_codes, w_scales.view(torch.uint8), w_dec_rows, bias, out)

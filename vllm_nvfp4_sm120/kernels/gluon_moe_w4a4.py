@@ -333,7 +333,7 @@ if HAS_GLUON:
         gl.store(out_sf_ptr + rs[:, None].to(gl.int64) * stride_osm + bs[None, :], sf,
                  mask=(rs < R)[:, None] & (bs < N // 16)[None, :])
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["R", "max_blocks"])  # token counts vary per call
     def _gluon_moe_w4a4_kernel(
         a_ptr, a_sf_ptr, w_ptr, w_desc, w_sf_ptr, w_dec_ptr, a_enc_ptr, q_enc_ptr, topk_w_ptr, out_ptr, out_sf_ptr,
         sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,

@@ -61,7 +61,7 @@ MOE_SCATTER_SIGNATURE = {
 MOE_SCATTER_DIVISIBLE = [k for k, v in MOE_SCATTER_SIGNATURE.items() if v.startswith("*")] + ["CHUNK"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # token counts vary per call
 def _count_kernel(
     topk_ids_ptr, expert_map_ptr, rank_ptr, counts_ptr,
     R, E, GLOBAL_E, CHUNK,
@@ -116,7 +116,7 @@ def _prefix_kernel(
     tl.store(num_padded_ptr, padded_so_far)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "num_route_tiles", "max_blocks"])  # token counts vary per call
 def _scatter_kernel(
     topk_ids_ptr, expert_map_ptr, rank_ptr, counts_ptr, starts_ptr, totals_ptr, num_padded_ptr,
     sorted_ids_ptr, expert_ids_ptr,

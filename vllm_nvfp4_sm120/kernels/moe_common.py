@@ -38,9 +38,36 @@ def gated_activation_f32(gate, up, ACTIVATION: tl.constexpr):
     return g * up
 
 
+# Metadata signatures (shapes, strides, dtypes, devices) of MoE layer calls and banks whose checks passed: banks
+# keep theirs after load, so the checks run once per layer shape and token count (bounded like the linear op's).
+_CHECKED: set[tuple] = set()
+_BANKS: dict[tuple, tuple[int, int, int]] = {}
+_MAX_CHECKED = 1 << 16
+
+
+def _meta(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
 def check_bank(name: str, codes, scales, dec, rows: int | None, k: int | None):
     """An expert bank ``name`` (``w13``, ``w2``) with ``rows`` rows of ``k`` weights (None: any); returns
-    ``(scales as uint8, E, rows, K)``."""
+    ``(scales as uint8, E, rows, K)``.
+
+    A layer's banks keep their metadata after load, so the checks run once per (bank, expectation) signature;
+    later calls look the signature up (every MoE launcher calls this twice per layer call)."""
+    import torch
+
+    key = (name, _meta(codes), _meta(scales), _meta(dec), rows, k)
+    dims = _BANKS.get(key)
+    if dims is None:
+        dims = _check_bank(name, codes, scales, dec, rows, k)
+        if len(_BANKS) >= _MAX_CHECKED:
+            _BANKS.clear()
+        _BANKS[key] = dims
+    return (scales if scales.dtype == torch.uint8 else scales.view(torch.uint8)), *dims
+
+
+def _check_bank(name: str, codes, scales, dec, rows: int | None, k: int | None) -> tuple[int, int, int]:
     import torch
 
     from ..format.checks import as_e4m3, check_tensor
@@ -56,7 +83,7 @@ def check_bank(name: str, codes, scales, dec, rows: int | None, k: int | None):
     scales = as_e4m3(f"{name}_scales", scales)
     check_tensor(f"{name}_scales", scales, shape=[e, n, kk // 16], last_dim_contiguous=True)
     check_tensor(f"{name}_dec", dec, dtype=torch.float32, shape=[e])
-    return scales.view(torch.uint8), e, n, kk
+    return e, n, kk
 
 
 def check_enc(name: str, enc):
@@ -165,3 +192,49 @@ def check_w4a4_down_inputs(a_codes, a_scales, w2_codes, w2_scales, w2_dec, topk_
     w_sf, _, h, _ = check_bank("w2", w2_codes, w2_scales, w2_dec, None, i)
     _check_down_out(topk_weights, align, out, deterministic, h)
     return w_sf, h, i, r
+
+
+def check_moe_layer(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
+                    a13_enc=None, a2_enc=None, expert_map=None) -> None:
+    """Every tensor of one MoE layer call, on CPU and GPU alike, before anything reads them: ``x [T, H]``
+    bf16/fp16; the gate_up bank ``[E, 2I, H/2]`` / ``[E, 2I, H/16]`` / ``[E]``; the down bank ``[E, H, I/2]`` /
+    ``[E, H, I/16]`` / ``[E]`` of the same E; the routing ``[T, top_k]``; the encode scales (one fp32 value each);
+    ``expert_map [global_E]`` int32; all on x's device."""
+    key = tuple(map(_meta, (x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
+                            a13_enc, a2_enc, expert_map)))
+    if key in _CHECKED:
+        return
+    import torch
+
+    from ..format.checks import ACT_DTYPES, check_tensor
+
+    check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
+    t, h = x.shape
+    dev = x.device
+    _, e, two_i, _ = check_bank("w13", w13_codes, w13_scales, w13_dec, None, h)
+    if two_i % 32:
+        raise ValueError(f"w13_codes: 2I = {two_i} rows must be gate and up halves of I % 16 == 0, "
+                         f"got shape {list(w13_codes.shape)}")
+    i = two_i // 2
+    check_tensor("w2_codes", w2_codes, dtype=torch.uint8, ndim=3)
+    if list(w2_codes.shape) != [e, h, i // 2]:
+        raise ValueError(f"w2_codes: expected shape [{e}, {h}, {i // 2}] (E of w13, H of x, I/2 with 2I = {two_i} "
+                         f"rows of w13), got {list(w2_codes.shape)}")
+    check_bank("w2", w2_codes, w2_scales, w2_dec, h, i)
+    check_tensor("topk_ids", topk_ids, dtype=(torch.int32, torch.int64), ndim=2)
+    check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=[t, topk_ids.shape[1]])
+    check_tensor("topk_ids", topk_ids, shape=[t, None])
+    for name, enc in (("a13_enc", a13_enc), ("a2_enc", a2_enc)):
+        if enc is not None:
+            check_enc(name, enc)
+    if expert_map is not None:
+        check_tensor("expert_map", expert_map, dtype=torch.int32, ndim=1)
+    named = (("w13_codes", w13_codes), ("w13_scales", w13_scales), ("w13_dec", w13_dec), ("w2_codes", w2_codes),
+             ("w2_scales", w2_scales), ("w2_dec", w2_dec), ("topk_weights", topk_weights), ("topk_ids", topk_ids),
+             ("a13_enc", a13_enc), ("a2_enc", a2_enc), ("expert_map", expert_map))
+    for name, tensor in named:
+        if tensor is not None and tensor.device != dev:
+            raise ValueError(f"{name}: expected a tensor on {dev} (where x is), got {tensor.device}")
+    if len(_CHECKED) >= _MAX_CHECKED:
+        _CHECKED.clear()
+    _CHECKED.add(key)

@@ -92,7 +92,7 @@ def _load_scale_tile(sf_ptrs, n_ok, ks_ok, EVEN_K: tl.constexpr):
     return tl.load(sf_ptrs, mask=mask, other=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "max_blocks"])  # token counts vary per call
 def _moe_w4a16_gate_up_kernel(
     x_ptr, w_ptr, w_desc, w_sf_ptr, w_dec_ptr, out_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -151,7 +151,7 @@ def _moe_w4a16_gate_up_kernel(
         tl.store(out_ptrs, inter.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "max_blocks"])  # token counts vary per call
 def _moe_w4a16_down_kernel(
     a_ptr, w_ptr, w_desc, w_sf_ptr, w_dec_ptr, topk_w_ptr, out_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,

@@ -84,7 +84,7 @@ def _fp4_dot(a, a_sf, w, w_sf, acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "max_blocks"])  # token counts vary per call
 def _moe_w4a4_gate_up_kernel(
     a_ptr, a_sf_ptr, w_ptr, w_sf_ptr, w_dec_ptr, a13_enc_ptr, a2_enc_ptr, out_ptr, out_sf_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -148,7 +148,7 @@ def _moe_w4a4_gate_up_kernel(
                  mask=row_ok[:, None] & (offs_s < I // 16)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "max_blocks"])  # token counts vary per call
 def _moe_w4a4_down_kernel(
     a_ptr, a_sf_ptr, w_ptr, w_sf_ptr, w_dec_ptr, a2_enc_ptr, topk_w_ptr, out_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,

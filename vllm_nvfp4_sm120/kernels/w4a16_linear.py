@@ -57,7 +57,7 @@ W4A16_GEMV_DIVISIBLE = [k for k, v in W4A16_GEMV_SIGNATURE.items() if v.startswi
 ]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # token counts vary per call
 def _w4a16_gemv_kernel(
     x_ptr, w_ptr, w_sf_ptr, dec_ptr, bias_ptr, out_ptr, ws_ptr,
     T, N, K, K_SPLIT,
@@ -136,7 +136,7 @@ W4A16_FINISH_SIGNATURE = {
 W4A16_FINISH_DIVISIBLE = ["ws_ptr", "dec_ptr", "bias_ptr", "out_ptr", "N", "stride_ot"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # token counts vary per call
 def _w4a16_splitk_finish_kernel(
     ws_ptr, dec_ptr, bias_ptr, out_ptr,
     T, N, SPLIT_K, stride_ot,
@@ -176,7 +176,7 @@ W4A16_GEMM_DIVISIBLE = [k for k, v in W4A16_GEMM_SIGNATURE.items() if v.startswi
 ]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # token counts vary per call
 def _w4a16_gemm_kernel(
     x_ptr, w_ptr, w_sf_ptr, dec_ptr, bias_ptr, out_ptr,
     T, N, K,
@@ -274,31 +274,56 @@ def w4a16_gemv(
         raise ValueError(f"w4a16_gemv: block_k ({block_k}) must be a multiple of 64 and block_n ({block_n}) of 16")
     if (done := trivial_linear_output(out, k, w_dec_rows, bias)) is not None:
         return done
+    if workspace is not None and (numel := gemv_workspace_numel(t, n, k, block_k, split_k)):
+        check_workspace(workspace, numel, x.device)
+    run = prepare_w4a16_gemv(t, n, k, block_n=block_n, block_k=block_k, split_k=split_k,
+                             num_warps=num_warps, num_stages=num_stages, has_bias=bias is not None,
+                             fast_decode=fast_decode)
+    return run(x, w_codes, w_scales.view(torch.uint8), w_dec_rows, bias, out, workspace)
+
+
+def _gemv_splits(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """``(K per split, number of splits)``: at most ``split_k`` splits of whole ``block_k`` tiles, none empty."""
+    k_split = triton.cdiv(triton.cdiv(k, max(1, split_k)), block_k) * block_k
+    return k_split, triton.cdiv(k, k_split)
+
+
+def gemv_workspace_numel(t: int, n: int, k: int, block_k: int, split_k: int) -> int:
+    """fp32 elements of the split-K workspace :func:`w4a16_gemv` needs (0 without a split)."""
+    splits = _gemv_splits(k, block_k, split_k)[1]
+    return splits * t * n if splits > 1 else 0
+
+
+def prepare_w4a16_gemv(t: int, n: int, k: int, *, block_n: int, block_k: int, split_k: int, num_warps: int,
+                       num_stages: int, has_bias: bool, fast_decode: bool | None = None):
+    """A ready launch of :func:`w4a16_gemv` for ``x [t, k]`` and an ``[n, k]`` weight: grids and
+    compile-time arguments fixed here, once.  The returned ``run(x, w_codes, w_scales_u8, w_dec_rows, bias, out,
+    workspace=None) -> out`` checks nothing (its inputs are those :func:`w4a16_gemv` accepts, ``t, n, k > 0``); it
+    allocates the split-K workspace when none is given."""
+    import torch
+
     if fast_decode is None:
         fast_decode = not interpreting()
-    k_split = triton.cdiv(triton.cdiv(k, max(1, split_k)), block_k) * block_k
-    split_k = triton.cdiv(k, k_split)  # drop empty splits
-    if split_k > 1:
-        if workspace is None:
-            workspace = torch.empty(split_k * t * n, dtype=torch.float32, device=x.device)
-        check_workspace(workspace, split_k * t * n, x.device)
-    grid = (triton.cdiv(n, block_n), split_k, triton.cdiv(t, GEMV_BLOCK_T))
-    _w4a16_gemv_kernel[grid](
-        x, w_codes, w_scales.view(torch.uint8), w_dec_rows, bias if bias is not None else out, out,
-        workspace if split_k > 1 else out,
-        t, n, k, k_split,
-        x.stride(0), w_codes.stride(0), w_scales.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SPLIT=split_k > 1, EVEN_K=k % block_k == 0, FAST_DECODE=bool(fast_decode),
-        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=GEMV_BLOCK_T,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    if split_k > 1:
-        _w4a16_splitk_finish_kernel[(t, triton.cdiv(n, FINISH_BLOCK_N))](
-            workspace, w_dec_rows, bias if bias is not None else out, out,
-            t, n, split_k, out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_N=FINISH_BLOCK_N, num_warps=4,
-        )
-    return out
+    k_split, splits = _gemv_splits(k, block_k, split_k)
+    split = splits > 1
+    main = _w4a16_gemv_kernel[(triton.cdiv(n, block_n), splits, triton.cdiv(t, GEMV_BLOCK_T))]
+    finish = _w4a16_splitk_finish_kernel[(t, triton.cdiv(n, FINISH_BLOCK_N))]
+    const = dict(HAS_BIAS=has_bias, SPLIT=split, EVEN_K=k % block_k == 0, FAST_DECODE=bool(fast_decode),
+                 BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=GEMV_BLOCK_T, num_warps=num_warps, num_stages=num_stages)
+    numel = splits * t * n
+
+    def run(x, w_codes, w_scales_u8, w_dec_rows, bias, out, workspace=None):
+        bias_arg = out if bias is None else bias
+        if split and workspace is None:
+            workspace = torch.empty(numel, dtype=torch.float32, device=x.device)
+        main(x, w_codes, w_scales_u8, w_dec_rows, bias_arg, out, workspace if split else out,
+             t, n, k, k_split, x.stride(0), w_codes.stride(0), w_scales_u8.stride(0), out.stride(0), **const)
+        if split:
+            finish(workspace, w_dec_rows, bias_arg, out, t, n, splits, out.stride(0),
+                   HAS_BIAS=has_bias, BLOCK_N=FINISH_BLOCK_N, num_warps=4)
+        return out
+
+    return run
 
 
 def w4a16_gemm(
@@ -332,16 +357,26 @@ def w4a16_gemm(
         raise ValueError(f"w4a16_gemm: block_m/n/k ({block_m}, {block_n}, {block_k}) must be >= 16, block_k % 16 == 0")
     if (done := trivial_linear_output(out, k, w_dec_rows, bias)) is not None:
         return done
+    run = prepare_w4a16_gemm(t, n, k, block_m=block_m, block_n=block_n, block_k=block_k, group_m=group_m,
+                             num_warps=num_warps, num_stages=num_stages, swap_ab=swap_ab, has_bias=bias is not None,
+                             fast_decode=fast_decode)
+    return run(x, w_codes, w_scales.view(torch.uint8), w_dec_rows, bias, out)
+
+
+def prepare_w4a16_gemm(t: int, n: int, k: int, *, block_m: int, block_n: int, block_k: int, group_m: int,
+                       num_warps: int, num_stages: int, swap_ab: bool, has_bias: bool, fast_decode: bool | None = None):
+    """A ready launch of :func:`w4a16_gemm` for ``x [t, k]`` and an ``[n, k]`` weight (grid and compile-time
+    arguments fixed once); ``run(x, w_codes, w_scales_u8, w_dec_rows, bias, out) -> out`` checks nothing."""
     if fast_decode is None:
         fast_decode = not interpreting()
-    grid = (triton.cdiv(t, block_m) * triton.cdiv(n, block_n),)
-    _w4a16_gemm_kernel[grid](
-        x, w_codes, w_scales.view(torch.uint8), w_dec_rows, bias if bias is not None else out, out,
-        t, n, k,
-        x.stride(0), w_codes.stride(0), w_scales.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, FAST_DECODE=bool(fast_decode),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, SWAP_AB=bool(swap_ab),
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    return out
+    launch = _w4a16_gemm_kernel[(triton.cdiv(t, block_m) * triton.cdiv(n, block_n),)]
+    const = dict(HAS_BIAS=has_bias, EVEN_K=k % block_k == 0, FAST_DECODE=bool(fast_decode),
+                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, SWAP_AB=bool(swap_ab),
+                 num_warps=num_warps, num_stages=num_stages)
 
+    def run(x, w_codes, w_scales_u8, w_dec_rows, bias, out):
+        launch(x, w_codes, w_scales_u8, w_dec_rows, out if bias is None else bias, out, t, n, k,
+               x.stride(0), w_codes.stride(0), w_scales_u8.stride(0), out.stride(0), **const)
+        return out
+
+    return run

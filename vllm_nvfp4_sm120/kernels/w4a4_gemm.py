@@ -33,7 +33,7 @@ W4A4_DIVISIBLE = [k for k, v in W4A4_SIGNATURE.items() if v.startswith("*")] + [
 ]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # token counts vary per call
 def _w4a4_gemm_kernel(
     a_ptr, a_sf_ptr, w_ptr, w_sf_ptr, out_ptr, alpha_ptr, bias_ptr,
     M, N, K,
@@ -134,14 +134,24 @@ def w4a4_gemm(
         out = torch.empty((m, n), dtype=out_dtype, device=a_codes.device)
     if m == 0 or n == 0:
         return out
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-    _w4a4_gemm_kernel[grid](
-        a_codes, a_scales.view(torch.uint8), w_codes, w_scales.view(torch.uint8), out, alpha,
-        bias if bias is not None else out,
-        m, n, k,
-        a_codes.stride(0), a_scales.stride(0), w_codes.stride(0), w_scales.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, DECODE=decode,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    return out
+    run = prepare_w4a4_gemm(m, n, k, block_m=block_m, block_n=block_n, block_k=block_k, group_m=group_m,
+                            num_warps=num_warps, num_stages=num_stages, has_bias=bias is not None, decode=decode)
+    return run(a_codes, a_scales.view(torch.uint8), w_codes, w_scales.view(torch.uint8), alpha, bias, out)
+
+
+def prepare_w4a4_gemm(m: int, n: int, k: int, *, block_m: int, block_n: int, block_k: int, group_m: int,
+                      num_warps: int, num_stages: int, has_bias: bool, decode: bool = False):
+    """A ready launch of :func:`w4a4_gemm` for ``A [m, k]`` and ``W [n, k]`` (grid and compile-time arguments fixed
+    once); ``run(a_codes, a_scales_u8, w_codes, w_scales_u8, alpha, bias, out) -> out`` checks nothing (its inputs
+    are those :func:`w4a4_gemm` accepts, ``m, n > 0``)."""
+    launch = _w4a4_gemm_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)]
+    const = dict(HAS_BIAS=has_bias, DECODE=decode, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                 GROUP_M=group_m, num_warps=num_warps, num_stages=num_stages)
+
+    def run(a_codes, a_scales_u8, w_codes, w_scales_u8, alpha, bias, out):
+        launch(a_codes, a_scales_u8, w_codes, w_scales_u8, out, alpha, out if bias is None else bias, m, n, k,
+               a_codes.stride(0), a_scales_u8.stride(0), w_codes.stride(0), w_scales_u8.stride(0), out.stride(0),
+               **const)
+        return out
+
+    return run
