@@ -7,7 +7,7 @@ GEMM for prefill).  The classes only prepare the layer once at load time: a ``[N
 padding.  The codes are never copied.  A route that cannot take a layer (``dispatch.vendor``) hands it, with one
 log line, to the kernel vLLM's selection picks without it.
 
-The exception is the comparison route ``flashinfer_w4a16`` (:class:`FlashInferW4A16NvFp4LinearKernel`): FlashInfer
+The exception is the comparison route ``flashinfer_w4a16`` (:class:`Sm120FlashInferW4A16NvFp4LinearKernel`): FlashInfer
 ``mm_bf16_fp4`` at every T on the weight as FlashInfer prepares it (``cute-dsl`` repacks the codes), through its
 own op ``torch.ops.nvfp4_sm120.flashinfer_w4a16``.  It replaces the layer's tensors by FlashInfer's, so there is
 still one copy of the weight, and it is opt-in by name only.
@@ -169,13 +169,13 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
         )
 
 
-class TritonNvFp4LinearKernel(Sm120NvFp4LinearKernel):
+class Sm120TritonNvFp4LinearKernel(Sm120NvFp4LinearKernel):
     """Our Triton W4A4 GEMM for prefill (native FP4 MMA on sm_120), W4A16 kernel at decode sizes."""
 
     route = Route.TRITON
 
 
-class CublasNvFp4LinearKernel(Sm120NvFp4LinearKernel):
+class Sm120CublasNvFp4LinearKernel(Sm120NvFp4LinearKernel):
     """cuBLAS block-scaled FP4 GEMM (``torch._scaled_mm``) for prefill; needs swizzled weight scales."""
 
     route = Route.CUBLAS
@@ -193,7 +193,7 @@ class CublasNvFp4LinearKernel(Sm120NvFp4LinearKernel):
         return scales_swizzled
 
 
-class B12xNvFp4LinearKernel(Sm120NvFp4LinearKernel):
+class Sm120B12xNvFp4LinearKernel(Sm120NvFp4LinearKernel):
     """FlashInfer b12x FP4 GEMM for prefill; the codes are padded to multiples of 32 in place."""
 
     route = Route.B12X
@@ -213,7 +213,7 @@ class B12xNvFp4LinearKernel(Sm120NvFp4LinearKernel):
         return scales_swizzled
 
 
-class W4A16NvFp4LinearKernel(Sm120NvFp4LinearKernel):
+class Sm120W4A16NvFp4LinearKernel(Sm120NvFp4LinearKernel):
     """Weight-only: our W4A16 GEMV/GEMM at every T; each fused part keeps its own global.  Opt-in by name."""
 
     route = Route.W4A16
@@ -224,7 +224,7 @@ def activation_dtype(layer: torch.nn.Module) -> torch.dtype:
     return getattr(layer, "params_dtype", None) or torch.get_default_dtype()
 
 
-class FlashInferW4A16NvFp4LinearKernel(Sm120NvFp4LinearKernel):
+class Sm120FlashInferW4A16NvFp4LinearKernel(Sm120NvFp4LinearKernel):
     """FlashInfer ``mm_bf16_fp4`` at every T on the weight FlashInfer prepares (weight-only).  Opt-in by name.
 
     A comparison option, not a default: ``cute-dsl`` (the default backend) repacks the codes, so the layer then
@@ -277,11 +277,11 @@ class FlashInferW4A16NvFp4LinearKernel(Sm120NvFp4LinearKernel):
 
 
 KERNEL_CLASSES: tuple[type[Sm120NvFp4LinearKernel], ...] = (
-    TritonNvFp4LinearKernel,
-    CublasNvFp4LinearKernel,
-    B12xNvFp4LinearKernel,
-    W4A16NvFp4LinearKernel,
-    FlashInferW4A16NvFp4LinearKernel,
+    Sm120TritonNvFp4LinearKernel,
+    Sm120CublasNvFp4LinearKernel,
+    Sm120B12xNvFp4LinearKernel,
+    Sm120W4A16NvFp4LinearKernel,
+    Sm120FlashInferW4A16NvFp4LinearKernel,
 )
 BY_ROUTE = {cls.route: cls for cls in KERNEL_CLASSES}
 BY_BACKEND = {cls.backend_name: cls for cls in KERNEL_CLASSES}
