@@ -37,6 +37,9 @@ from . import scale_policy
 from .log import layer_name, log_once
 from .platform import current_capability
 
+# The load-time tensors a route derives from the checkpoint's are *persistent* buffers: vLLM's in-place weight
+# reload (RL weight sync) copies the reprocessed values of parameters and persistent buffers into the tensors the
+# layer held, and skips non-persistent buffers, which would keep the old weights' globals and scales.
 _W_DEC_ROWS = "_nvfp4_sm120_w_dec_rows"
 _W_SCALES_SWIZZLED = "_nvfp4_sm120_w_scales_swizzled"
 # Route flashinfer_w4a16: its weight global (FlashInfer's alpha, [1] fp32) and N (the repacked weight hides it).
@@ -141,8 +144,8 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
 
     def _prepare_layer(self, layer: torch.nn.Module, w4a4: bool) -> None:
         """What the op needs next to the checkpoint's tensors: the per-row decode globals, the route's layout."""
-        layer.register_buffer(_W_DEC_ROWS, scale_policy.weight_dec_rows(layer, w4a4=w4a4), persistent=False)
-        layer.register_buffer(_W_SCALES_SWIZZLED, self._prepare_weight(layer), persistent=False)
+        layer.register_buffer(_W_DEC_ROWS, scale_policy.weight_dec_rows(layer, w4a4=w4a4))
+        layer.register_buffer(_W_SCALES_SWIZZLED, self._prepare_weight(layer))
 
     def _prepare_weight(self, layer: torch.nn.Module) -> torch.Tensor | None:
         """Route-specific load-time layout; returns the swizzled scale copy (None if the route needs none)."""
@@ -266,7 +269,7 @@ class Sm120FlashInferW4A16NvFp4LinearKernel(Sm120NvFp4LinearKernel):
         if b.data_ptr() != layer.weight.data_ptr():
             replace_parameter(layer, "weight", b)
         replace_parameter(layer, "weight_scale", sf)
-        layer.register_buffer(_FI_ALPHA, alpha, persistent=False)
+        layer.register_buffer(_FI_ALPHA, alpha)
         setattr(layer, _FI_N, n)
 
     def _forward(self, layer, x2, bias):
