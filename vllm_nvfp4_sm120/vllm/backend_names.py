@@ -30,8 +30,9 @@ from typing import Any, Literal
 # (module holding the Literal alias, alias name, classes whose fields use it)
 LINEAR_BACKEND = ("vllm.config.kernel", "LinearBackend", ("vllm.config.kernel:KernelConfig", "vllm.engine.arg_utils:EngineArgs"))
 # SpeculativeConfig.moe_backend: the draft model's --moe-backend (its own or inherited from the target's).
-MOE_BACKEND = ("vllm.config.kernel", "MoEBackend", ("vllm.config.kernel:KernelConfig", "vllm.engine.arg_utils:EngineArgs",
-                                                    "vllm.config.speculative:SpeculativeConfig"))
+MOE_BACKEND = ("vllm.config.kernel", "MoEBackend",
+               ("vllm.config.kernel:KernelConfig", "vllm.engine.arg_utils:EngineArgs",
+                "vllm.config.speculative:SpeculativeConfig"))
 
 
 def literal_names(tp: Any) -> tuple[str, ...]:

@@ -23,6 +23,15 @@ MoE experts (:mod:`.moe`), for ModelOpt's and compressed-tensors' NVFP4 MoE meth
    ``Sm120NvFp4Experts.refusal`` says why not; a name we cannot honour logs why and falls back to vLLM's choice;
 7. their ``process_weights_after_loading`` and ``get_fused_moe_quant_config``, for layers whose experts are ours,
    become ``Sm120NvFp4Experts.prepare_layer`` and ``Sm120NvFp4Experts.quant_config``.
+
+Loading
+
+8. the model loaders' ``process_weights_after_loading(model, ...)`` is followed by one summary line per per-layer
+   warning (count and worst layer) instead of one line per layer.
+
+Every private name the hooks need is listed in :data:`VLLM_NAMES` and checked before anything changes; any error
+while patching undoes what was installed and leaves vLLM as it is (one warning).  The plugin's environment
+variables are registered with vLLM (:data:`ENV_VARS`).
 """
 
 from __future__ import annotations
@@ -141,6 +150,7 @@ def register() -> None:
         check_vllm_names()
         _install_linear()
         _install_moe()
+        _install_load_summary()
     except BaseException as exc:
         _undo_patches()
         if not isinstance(exc, Exception):
@@ -365,6 +375,35 @@ def select_nvfp4_linear_kernel(use_a16: bool = False):
         backend, quantization, "; ".join(reasons),
     )
     return linear.fallback_kernel(use_a16, exclude=tuple(tried))
+
+
+# ---- the end of a model's weight processing ------------------------------------------------------------------------
+
+_LOADER_UTILS = "vllm.model_executor.model_loader.utils"
+
+
+def _install_load_summary() -> None:
+    """After vLLM's ``process_weights_after_loading(model, ...)`` (every loader ends a load with it): one summary
+    line per per-layer warning (:func:`.log.summarize_layer_warnings`).  Optional: a vLLM without that function
+    only loses the summary lines (each problem's first layer is still logged), so it is not in VLLM_NAMES."""
+    from .log import summarize_layer_warnings
+
+    utils = importlib.import_module(_LOADER_UTILS)
+    original = getattr(utils, "process_weights_after_loading", None)
+    if not callable(original):
+        return
+
+    @functools.wraps(original)
+    def process_weights_after_loading(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            summarize_layer_warnings()
+
+    for mod_name, mod in list(sys.modules.items()):
+        imported = getattr(mod, "__dict__", {}).get("process_weights_after_loading")
+        if mod_name.split(".")[0] == "vllm" and imported is original:
+            _set(mod, "process_weights_after_loading", process_weights_after_loading)
 
 
 # ---- MoE experts ---------------------------------------------------------------------------------------------------
