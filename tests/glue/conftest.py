@@ -71,9 +71,14 @@ def fake_platform(monkeypatch):
 
 @pytest.fixture
 def plugin_log(caplog, monkeypatch):
-    """Records of the plugin's logger, once each (vLLM's logging config may stop propagation to caplog's root)."""
+    """Records of the plugin's logger, once each (vLLM's logging config may stop propagation to caplog's root).
+
+    Each test counts its own once-per-model layer warnings (``log.warn_layer``)."""
     import logging
 
+    import vllm_nvfp4_sm120.vllm.log as glue_log
+
+    monkeypatch.setattr(glue_log, "_tallies", {})
     log = logging.getLogger("vllm.nvfp4_sm120")
     monkeypatch.setattr(log, "propagate", False)
     log.addHandler(caplog.handler)

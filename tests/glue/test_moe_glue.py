@@ -60,6 +60,7 @@ def glue_log(caplog, monkeypatch):
     log = logging.getLogger("vllm.nvfp4_sm120")
     monkeypatch.setattr(log, "propagate", False)
     monkeypatch.setattr(glue_log_state, "_logged", set())  # every test sees its own once-per-choice lines
+    monkeypatch.setattr(glue_log_state, "_tallies", {})  # and its own once-per-model layer warnings
     log.addHandler(caplog.handler)
     caplog.set_level(logging.DEBUG, logger="vllm.nvfp4_sm120")
     yield caplog

@@ -137,6 +137,12 @@ def register() -> None:
 
     _register_env_vars()
     if disabled_by_env():
+        if "off" not in _warned:
+            _warned.add("off")
+            from .log import logger
+
+            logger.info("vllm-nvfp4-sm120 is off (%s=0): vLLM runs without it, and --linear-backend / "
+                        "--moe-backend reject its nvfp4_sm120* names as invalid choices.", ENV_SWITCH)
         return
     if not vllm_version_supported(vllm.__version__):
         _warn_once(
