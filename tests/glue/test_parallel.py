@@ -146,7 +146,8 @@ def run_both(ranks: Ranks, ckpt: str, c: Case):
                     # What vLLM's collectives hand every rank is the same tensor.
                     assert torch.equal(value, per_rank[0]["outputs"][t][name]), (r, t, name)
     for name, k in per_rank[0]["kernels"].items():
-        assert k["kernel"] in ("Sm120TritonNvFp4LinearKernel", "Sm120W4A16NvFp4LinearKernel", "Sm120NvFp4Experts"), (name, k)
+        assert k["kernel"] in ("Sm120TritonNvFp4LinearKernel", "Sm120W4A16NvFp4LinearKernel",
+                               "Sm120NvFp4Experts"), (name, k)
         assert k["fallback"] is None
         assert one["kernels"][name] == k
     # Both plans run where the checkpoint has activation scales; the same plan as one rank at every T.

@@ -59,7 +59,7 @@ def load_through_loaders(layer, fmt: str, kind: str, prob) -> None:
         row += width
 
 
-def build_loaded(fmt, act, kind, backend, prob_seed):
+def build_loaded(fmt, act, kind, prob_seed):
     layer = NL.build_layer(NL.quant_config(fmt, act), kind)
     record_metadata_for_reloading(layer)  # vLLM records this when it creates the model
     prob = NL.problem_for(layer, torch.Generator().manual_seed(prob_seed))
@@ -76,8 +76,8 @@ def test_reload_matches_fresh_load(case):
         fp4_routes_stub.install(mp)
         config = vllm_config(linear_backend=backend)
         with set_current_vllm_config(config):
-            layer = build_loaded(fmt, act, kind, backend, prob_seed=1)
-            fresh = build_loaded(fmt, act, kind, backend, prob_seed=2)
+            layer = build_loaded(fmt, act, kind, prob_seed=1)
+            fresh = build_loaded(fmt, act, kind, prob_seed=2)
             kernel = NL.kernel_of(layer)
             assert isinstance(kernel, ours.Sm120NvFp4LinearKernel) and kernel._fallback is None
             held = {name: t.data_ptr() for name, t in [*layer.named_parameters(), *layer.named_buffers()]}
