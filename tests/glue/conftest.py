@@ -70,13 +70,30 @@ def fake_platform(monkeypatch):
 
 
 @pytest.fixture
-def plugin_log(caplog, monkeypatch):
-    """Records of the plugin's logger, once each (vLLM's logging config may stop propagation to caplog's root)."""
+def plugin_log(monkeypatch):
+    """The plugin logger's records in this test, and only its (``.records``): vLLM's own once-per-process lines
+    land in whichever test runs first, so a test that counted them would depend on the order.
+
+    Each test counts its own once-per-model layer warnings (``log.warn_layer``)."""
     import logging
 
+    import vllm_nvfp4_sm120.vllm.log as glue_log
+
+    class Records(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.DEBUG)
+            self.records: list[logging.LogRecord] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.records.append(record)
+
+    monkeypatch.setattr(glue_log, "_tallies", {})
     log = logging.getLogger("vllm.nvfp4_sm120")
-    monkeypatch.setattr(log, "propagate", False)
-    log.addHandler(caplog.handler)
-    caplog.set_level(logging.DEBUG, logger="vllm.nvfp4_sm120")
-    yield caplog
-    log.removeHandler(caplog.handler)
+    handler = Records()
+    monkeypatch.setattr(log, "propagate", False)  # vLLM's logging config may or may not pass them to the root
+    level = log.level
+    log.setLevel(logging.DEBUG)
+    log.addHandler(handler)
+    yield handler
+    log.removeHandler(handler)
+    log.setLevel(level)

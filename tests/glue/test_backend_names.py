@@ -87,39 +87,69 @@ def test_substitute(tp, expected):
 
 
 def test_moe_literal_extends_and_restores(registered):
-    """The same machinery serves ``--moe-backend`` (for the MoE glue).
-
-    ``restore`` undoes every extension of the Literal, the plugin's own included, so the plugin is taken off
-    first and put back at the end.
-    """
-    registered.unregister()
+    """The same machinery serves ``--moe-backend`` (for the MoE glue); undoing one extension leaves the others."""
+    linear_undo = backend_names.extend_literal(backend_names.LINEAR_BACKEND, ["nvfp4_sm120_linear_test"])
+    assert linear_undo is not None
     try:
-        _extend_and_restore_moe_literal()
-    finally:
-        registered.register()
-    assert KernelConfig(moe_backend="nvfp4_sm120").moe_backend == "nvfp4_sm120"
-
-
-def _extend_and_restore_moe_literal():
-    name = "nvfp4_sm120_moe_test"
-    assert backend_names.extend_literal(backend_names.LINEAR_BACKEND, ["nvfp4_sm120_linear_test"])
-    try:
-        _moe_round_trip(name)
-        # linear names untouched by restoring the MoE Literal
+        _moe_round_trip("nvfp4_sm120_moe_test")
+        # linear names untouched by undoing the MoE extension
         assert KernelConfig(linear_backend="nvfp4_sm120_linear_test").linear_backend == "nvfp4_sm120_linear_test"
     finally:
-        backend_names.restore(backend_names.LINEAR_BACKEND)
+        linear_undo()
+    with pytest.raises(ValidationError):
+        KernelConfig(linear_backend="nvfp4_sm120_linear_test")
+    # the plugin's own names outlive the test's extensions
+    assert KernelConfig(moe_backend="nvfp4_sm120").moe_backend == "nvfp4_sm120"
+    assert KernelConfig(linear_backend="nvfp4_sm120").linear_backend == "nvfp4_sm120"
 
 
 def _moe_round_trip(name):
     with pytest.raises(ValidationError):
         KernelConfig(moe_backend=name)
-    assert backend_names.extend_literal(backend_names.MOE_BACKEND, [name])
+    undo = backend_names.extend_literal(backend_names.MOE_BACKEND, [name])
+    assert undo is not None
     try:
-        assert not backend_names.extend_literal(backend_names.MOE_BACKEND, [name])  # idempotent
+        assert backend_names.extend_literal(backend_names.MOE_BACKEND, [name]) is None  # idempotent
         assert KernelConfig(moe_backend=name).moe_backend == name
-        assert EngineArgs(moe_backend=name).moe_backend == name
+        assert EngineArgs(moe_backend=name).moe_backend == name  # EngineArgs loads vLLM's general plugins
     finally:
-        backend_names.restore(backend_names.MOE_BACKEND)
+        undo()
     with pytest.raises(ValidationError):
         KernelConfig(moe_backend=name)
+
+
+def test_registration_inside_another_extension(registered, monkeypatch):
+    """vLLM may run the plugin's registration at any time (``EngineArgs`` loads the general plugins): undoing an
+    extension made before it must not take the plugin's names away, nor leave them behind after unregister."""
+    import vllm.plugins
+
+    registered.unregister()
+    try:
+        undo = backend_names.extend_literal(backend_names.MOE_BACKEND, ["nvfp4_sm120_moe_test"])
+        monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+        EngineArgs(moe_backend="nvfp4_sm120_moe_test")  # registers the plugin
+        assert registered.is_registered()
+        undo()
+        assert KernelConfig(moe_backend="nvfp4_sm120").moe_backend == "nvfp4_sm120"
+        with pytest.raises(ValidationError):
+            KernelConfig(moe_backend="nvfp4_sm120_moe_test")
+        registered.unregister()
+        with pytest.raises(ValidationError):
+            KernelConfig(moe_backend="nvfp4_sm120")
+    finally:
+        registered.register()
+    assert registered.is_registered()
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES[:1])
+def test_speculative_config_accepts_moe_name(registered, name):
+    from vllm.config.speculative import SpeculativeConfig
+
+    from vllm_nvfp4_sm120.vllm.moe import BACKEND_NAMES as MOE_NAMES
+
+    for moe_name in MOE_NAMES:
+        config = SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=3,
+                                   prompt_lookup_min=1, moe_backend=moe_name)
+        assert config.moe_backend == moe_name
+    with pytest.raises(ValidationError):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=2, moe_backend=UNKNOWN[0])

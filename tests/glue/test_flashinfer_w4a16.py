@@ -23,7 +23,7 @@ from vllm_platform import fake_cuda, vllm_config
 pytestmark = pytest.mark.usefixtures("registered", "tp_group")
 
 NAME = "nvfp4_sm120_flashinfer_w4a16"
-FI = ours.FlashInferW4A16NvFp4LinearKernel
+FI = ours.Sm120FlashInferW4A16NvFp4LinearKernel
 
 
 def build_layer(fmt: str, act: str, kind: str, *, dtype=torch.bfloat16, layer_idx: int = 0) -> torch.nn.Module:
@@ -187,7 +187,7 @@ def test_refused_layers_fall_back_with_one_line(fake_platform, plugin_log, monke
             load(layer, "modelopt", seed=i, part_decs=part_decs)
             layer.quant_method.process_weights_after_loading(layer)
         kernel = NL.kernel_of(layer)
-        assert type(kernel) is FI and type(kernel._fallback) is ours.TritonNvFp4LinearKernel
+        assert type(kernel) is FI and type(kernel._fallback) is ours.Sm120TritonNvFp4LinearKernel
         assert torch.equal(layer.weight.data, layer.codes_before)  # nothing prepared
     msgs = [r.getMessage() for r in plugin_log.records if "cannot take" in r.getMessage()]
     assert len(msgs) == 1 and reason in msgs[0] and "model.layers.0." in msgs[0], msgs

@@ -69,7 +69,7 @@ def test_passing_guard_keeps_our_kernel(forced, plugin_log):
     _, calls = forced
     layer = _load()
     kernel = NL.kernel_of(layer)
-    assert isinstance(kernel, ours.TritonNvFp4LinearKernel) and kernel._fallback is None
+    assert isinstance(kernel, ours.Sm120TritonNvFp4LinearKernel) and kernel._fallback is None
     assert calls and not _guard_errors(plugin_log)
 
 
@@ -79,7 +79,7 @@ def test_failing_kernel_falls_back_to_vllm_with_one_line(forced, plugin_log, fmt
     break_(LinearKernel.W4A4_TRITON)
     layer = _load(fmt, kind)
     kernel = NL.kernel_of(layer)
-    assert isinstance(kernel, ours.TritonNvFp4LinearKernel)
+    assert isinstance(kernel, ours.Sm120TritonNvFp4LinearKernel)
     fallback = kernel._fallback
     assert type(fallback).__name__ == "EmulationNvFp4LinearKernel", fallback
     (line,) = _guard_errors(plugin_log)

@@ -192,7 +192,7 @@ def test_one_info_line_per_layer_kind(fake_platform, plugin_log, monkeypatch):
             NL.load_checkpoint(layer, "ct", NL.problem_for(layer, torch.Generator().manual_seed(i)))
             layer.quant_method.process_weights_after_loading(layer)
     msgs = [r.getMessage() for r in plugin_log.records if "layers use" in r.getMessage()]
-    assert msgs == ["nvfp4_sm120: NVFP4 RowParallelLinear W4A4 layers use TritonNvFp4LinearKernel (route triton)"]
+    assert msgs == ["nvfp4_sm120: NVFP4 RowParallelLinear W4A4 layers use Sm120TritonNvFp4LinearKernel (route triton)"]
 
 
 @pytest.mark.gpu

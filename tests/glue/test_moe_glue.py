@@ -56,14 +56,9 @@ def moe_registered(tp_group):
 
 
 @pytest.fixture
-def glue_log(caplog, monkeypatch):
-    log = logging.getLogger("vllm.nvfp4_sm120")
-    monkeypatch.setattr(log, "propagate", False)
+def glue_log(plugin_log, monkeypatch):
     monkeypatch.setattr(glue_log_state, "_logged", set())  # every test sees its own once-per-choice lines
-    log.addHandler(caplog.handler)
-    caplog.set_level(logging.DEBUG, logger="vllm.nvfp4_sm120")
-    yield caplog
-    log.removeHandler(caplog.handler)
+    return plugin_log
 
 
 @contextlib.contextmanager

@@ -146,7 +146,8 @@ def run_both(ranks: Ranks, ckpt: str, c: Case):
                     # What vLLM's collectives hand every rank is the same tensor.
                     assert torch.equal(value, per_rank[0]["outputs"][t][name]), (r, t, name)
     for name, k in per_rank[0]["kernels"].items():
-        assert k["kernel"] in ("TritonNvFp4LinearKernel", "W4A16NvFp4LinearKernel", "Sm120NvFp4Experts"), (name, k)
+        assert k["kernel"] in ("Sm120TritonNvFp4LinearKernel", "Sm120W4A16NvFp4LinearKernel",
+                               "Sm120NvFp4Experts"), (name, k)
         assert k["fallback"] is None
         assert one["kernels"][name] == k
     # Both plans run where the checkpoint has activation scales; the same plan as one rank at every T.
@@ -280,8 +281,8 @@ def test_route_refusal_is_the_same_on_every_rank(ranks, checkpoints, c, one_take
     for outcome, takes in ((one, one_takes), (common, ranks_take)):
         (k,) = outcome["kernels"].values()
         # Refused at load, the layer keeps our class, which hands it to vLLM's next choice (our Triton kernel).
-        fallback = None if takes else "TritonNvFp4LinearKernel"
-        assert k == {"kernel": "CublasNvFp4LinearKernel", "fallback": fallback, "route": "cublas"}, k
+        fallback = None if takes else "Sm120TritonNvFp4LinearKernel"
+        assert k == {"kernel": "Sm120CublasNvFp4LinearKernel", "fallback": fallback, "route": "cublas"}, k
 
 
 @pytest.mark.parametrize("ranks", [2], indirect=True, ids=["tp2"])
@@ -291,7 +292,7 @@ def test_consistency_check_catches_a_rank_on_another_kernel(ranks, checkpoints):
     ckpt = checkpoints(SHAPES[4], c.fmt, c.act)  # K = 192: 96 per rank, which cuBLAS takes
     per_rank = ranks.run(PL.task_load_outcome_refusing_on_rank, ckpt, c, 1)
     assert per_rank[0]["kernels"]["o"]["fallback"] is None
-    assert per_rank[1]["kernels"]["o"]["fallback"] == "TritonNvFp4LinearKernel"
+    assert per_rank[1]["kernels"]["o"]["fallback"] == "Sm120TritonNvFp4LinearKernel"
     with pytest.raises(AssertionError, match="rank 1 ended up with"):
         assert_consistent(per_rank)
 
@@ -307,7 +308,7 @@ def test_guard_failure_on_one_rank_falls_back_on_every_rank(ranks, checkpoints, 
     common = assert_consistent(per_rank)
     assert common["error"] is None
     if c.kind == "o":
-        assert common["kernels"]["o"] == {"kernel": "TritonNvFp4LinearKernel", "route": "triton",
+        assert common["kernels"]["o"] == {"kernel": "Sm120TritonNvFp4LinearKernel", "route": "triton",
                                           "fallback": "EmulationNvFp4LinearKernel"}
         assert "w4a4_triton(" in lines[1][0] and "another tensor-parallel rank" in lines[0][0]
     else:

@@ -33,13 +33,13 @@ def test_our_classes_lead_vllms_cuda_list():
 @pytest.mark.parametrize("kind", ["qkv", "gate_up", "down"])
 def test_auto_on_sm120_is_ours(fake_platform, fmt, kind):
     fake_platform((12, 0))
-    assert type(kernel_for(fmt, "w4a4", kind)) is ours.TritonNvFp4LinearKernel
+    assert type(kernel_for(fmt, "w4a4", kind)) is ours.Sm120TritonNvFp4LinearKernel
 
 
 @pytest.mark.parametrize("cc", [(12, 1)])
 def test_auto_on_sm121_is_ours(fake_platform, cc):
     fake_platform(cc)
-    assert type(kernel_for("modelopt", "w4a4")) is ours.TritonNvFp4LinearKernel
+    assert type(kernel_for("modelopt", "w4a4")) is ours.Sm120TritonNvFp4LinearKernel
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -47,8 +47,8 @@ def test_auto_on_sm121_is_ours(fake_platform, cc):
 def test_other_gpus_not_ours_unless_named(fake_platform, fmt, cc):
     fake_platform(cc)
     assert not isinstance(kernel_for(fmt, "w4a4"), ours.Sm120NvFp4LinearKernel)
-    assert type(kernel_for(fmt, "w4a4", linear_backend="nvfp4_sm120")) is ours.TritonNvFp4LinearKernel
-    assert type(kernel_for(fmt, "w4a4", linear_backend="nvfp4_sm120_triton")) is ours.TritonNvFp4LinearKernel
+    assert type(kernel_for(fmt, "w4a4", linear_backend="nvfp4_sm120")) is ours.Sm120TritonNvFp4LinearKernel
+    assert type(kernel_for(fmt, "w4a4", linear_backend="nvfp4_sm120_triton")) is ours.Sm120TritonNvFp4LinearKernel
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -56,13 +56,13 @@ def test_w4a16_checkpoints_opt_in(fake_platform, fmt):
     fake_platform((12, 0))
     assert not isinstance(kernel_for(fmt, "w4a16"), ours.Sm120NvFp4LinearKernel)  # vLLM forces Marlin
     for name in ("nvfp4_sm120", "nvfp4_sm120_w4a16"):
-        assert type(kernel_for(fmt, "w4a16", linear_backend=name)) is ours.W4A16NvFp4LinearKernel
+        assert type(kernel_for(fmt, "w4a16", linear_backend=name)) is ours.Sm120W4A16NvFp4LinearKernel
     per_quant = {"nvfp4_w4a16": "nvfp4_sm120_w4a16"}
-    assert type(kernel_for(fmt, "w4a16", linear_backend_per_quant=per_quant)) is ours.W4A16NvFp4LinearKernel
+    assert type(kernel_for(fmt, "w4a16", linear_backend_per_quant=per_quant)) is ours.Sm120W4A16NvFp4LinearKernel
     fi = "nvfp4_sm120_flashinfer_w4a16"
-    assert type(kernel_for(fmt, "w4a16", linear_backend=fi)) is ours.FlashInferW4A16NvFp4LinearKernel
+    assert type(kernel_for(fmt, "w4a16", linear_backend=fi)) is ours.Sm120FlashInferW4A16NvFp4LinearKernel
     assert type(kernel_for(fmt, "w4a16", linear_backend_per_quant={"nvfp4_w4a16": fi})) is \
-        ours.FlashInferW4A16NvFp4LinearKernel
+        ours.Sm120FlashInferW4A16NvFp4LinearKernel
 
 
 @pytest.fixture
@@ -72,12 +72,12 @@ def all_routes_available(monkeypatch):
 
 
 W4A4_NAMED = {
-    "nvfp4_sm120": ours.TritonNvFp4LinearKernel,
-    "nvfp4_sm120_triton": ours.TritonNvFp4LinearKernel,
-    "nvfp4_sm120_cublas": ours.CublasNvFp4LinearKernel,
-    "nvfp4_sm120_b12x": ours.B12xNvFp4LinearKernel,
-    "nvfp4_sm120_w4a16": ours.W4A16NvFp4LinearKernel,
-    "nvfp4_sm120_flashinfer_w4a16": ours.FlashInferW4A16NvFp4LinearKernel,
+    "nvfp4_sm120": ours.Sm120TritonNvFp4LinearKernel,
+    "nvfp4_sm120_triton": ours.Sm120TritonNvFp4LinearKernel,
+    "nvfp4_sm120_cublas": ours.Sm120CublasNvFp4LinearKernel,
+    "nvfp4_sm120_b12x": ours.Sm120B12xNvFp4LinearKernel,
+    "nvfp4_sm120_w4a16": ours.Sm120W4A16NvFp4LinearKernel,
+    "nvfp4_sm120_flashinfer_w4a16": ours.Sm120FlashInferW4A16NvFp4LinearKernel,
 }
 
 
@@ -103,7 +103,8 @@ def test_refused_vendor_route_falls_back_and_says_why(fake_platform, plugin_log,
         NL.load_checkpoint(layer, "modelopt", NL.problem_for(layer, torch.Generator().manual_seed(0)))
         layer.quant_method.process_weights_after_loading(layer)
     kernel = NL.kernel_of(layer)
-    assert type(kernel) is ours.CublasNvFp4LinearKernel and type(kernel._fallback) is ours.TritonNvFp4LinearKernel
+    assert type(kernel) is ours.Sm120CublasNvFp4LinearKernel
+    assert type(kernel._fallback) is ours.Sm120TritonNvFp4LinearKernel
     [msg] = [r.getMessage() for r in plugin_log.records if "cannot take" in r.getMessage()]
     assert "route cublas" in msg and "no cuBLAS FP4 in this test" in msg
 
@@ -118,8 +119,8 @@ def test_w4a4_route_named_on_w4a16_checkpoint_falls_back(fake_platform, plugin_l
 
 def test_disabled_kernels_env(fake_platform, monkeypatch):
     fake_platform((12, 0))
-    monkeypatch.setenv("VLLM_DISABLED_KERNELS", "TritonNvFp4LinearKernel")
-    assert type(kernel_for("modelopt", "w4a4")) is not ours.TritonNvFp4LinearKernel
+    monkeypatch.setenv("VLLM_DISABLED_KERNELS", "Sm120TritonNvFp4LinearKernel")
+    assert type(kernel_for("modelopt", "w4a4")) is not ours.Sm120TritonNvFp4LinearKernel
     monkeypatch.setenv("VLLM_DISABLED_KERNELS", ",".join(c.__name__ for c in ours.KERNEL_CLASSES))
     assert not isinstance(kernel_for("modelopt", "w4a4"), ours.Sm120NvFp4LinearKernel)
     assert not isinstance(kernel_for("modelopt", "w4a4", linear_backend="nvfp4_sm120"), ours.Sm120NvFp4LinearKernel)

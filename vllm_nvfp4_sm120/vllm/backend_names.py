@@ -9,7 +9,9 @@ plugin cannot add a name through any API, so we replace the ``Literal`` everywhe
 * the module-level alias (``LinearBackend``) in every ``vllm`` module that imported it, so string annotations and
   later imports resolve to the extended type,
 
-and clear ``arg_utils._compute_kwargs``.  Every replacement is recorded so :func:`restore` can undo it.
+and clear ``arg_utils._compute_kwargs``.  Every replacement is recorded: each extension returns its own undo, and
+undoing one re-installs the ``Literal`` of the others (vLLM may call the plugin's registration again at any time,
+e.g. when ``EngineArgs`` loads the general plugins, so extensions need not be undone in the order they were made).
 Unknown names stay rejected: we only append to the ``Literal``.
 """
 
@@ -27,7 +29,10 @@ from typing import Any, Literal
 
 # (module holding the Literal alias, alias name, classes whose fields use it)
 LINEAR_BACKEND = ("vllm.config.kernel", "LinearBackend", ("vllm.config.kernel:KernelConfig", "vllm.engine.arg_utils:EngineArgs"))
-MOE_BACKEND = ("vllm.config.kernel", "MoEBackend", ("vllm.config.kernel:KernelConfig", "vllm.engine.arg_utils:EngineArgs"))
+# SpeculativeConfig.moe_backend: the draft model's --moe-backend (its own or inherited from the target's).
+MOE_BACKEND = ("vllm.config.kernel", "MoEBackend",
+               ("vllm.config.kernel:KernelConfig", "vllm.engine.arg_utils:EngineArgs",
+                "vllm.config.speculative:SpeculativeConfig"))
 
 
 def literal_names(tp: Any) -> tuple[str, ...]:
@@ -85,7 +90,18 @@ class _Undo:
             self.steps.pop()()
 
 
-_APPLIED: dict[tuple[str, str], tuple[Any, _Undo]] = {}  # (module, alias) -> (original Literal, undo log)
+@dataclass
+class _Extended:
+    """One alias's state: the ``Literal`` vLLM defined, the names each live extension added, the undo log of the
+    ``Literal`` now installed (built from all of them)."""
+
+    original: Any
+    added: dict[object, tuple[str, ...]] = field(default_factory=dict)
+    undo: _Undo = field(default_factory=_Undo)
+    made: list[Any] = field(default_factory=list)  # every Literal installed so far (a module may still hold one)
+
+
+_APPLIED: dict[tuple[str, str], _Extended] = {}  # (module, alias) -> its state
 
 
 def _retype_class(cls: type, old: Any, new: Any, undo: _Undo) -> list[str]:
@@ -116,39 +132,71 @@ def _clear_arg_caches() -> None:
         arg_utils._compute_kwargs.cache_clear()
 
 
-def extend_literal(spec: tuple[str, str, Sequence[str]], names: Sequence[str]) -> bool:
+def _install(spec: tuple[str, str, Sequence[str]], state: _Extended) -> None:
+    """Put back vLLM's ``Literal``, then install one with every name the live extensions add (if any)."""
+    module_name, alias, owners = spec
+    state.undo.run()
+    state.undo = _Undo()
+    names = tuple(dict.fromkeys(n for added in state.added.values() for n in added))
+    if names:
+        old = state.original
+        new = Literal[literal_names(old) + names]  # type: ignore[valid-type]
+        undo = state.undo
+        # Owners go last in the undo log's reverse order: their rebuild must see the restored aliases.
+        for owner in owners:
+            _retype_class(_resolve(owner), old, new, undo)
+        # Modules imported since an earlier extension hold that one: they go back to vLLM's too.
+        ours = (old, *state.made)
+        for mod_name, mod in list(sys.modules.items()):
+            held = getattr(mod, "__dict__", {}).get(alias)
+            if mod_name.split(".")[0] == "vllm" and any(held is t for t in ours):
+                setattr(mod, alias, new)
+                undo.steps.append(functools.partial(setattr, mod, alias, old))
+        state.made.append(new)
+        undo.steps.insert(0, _clear_arg_caches)
+    _clear_arg_caches()
+
+
+def extend_literal(spec: tuple[str, str, Sequence[str]], names: Sequence[str]) -> Callable[[], None] | None:
     """Append ``names`` to the vLLM ``Literal`` described by ``spec`` (:data:`LINEAR_BACKEND`, :data:`MOE_BACKEND`).
 
-    Idempotent: returns False (and changes nothing) when every name is already accepted.
+    Returns the undo of this extension alone (other extensions of the same ``Literal`` stay, in any undo order),
+    or None (and changes nothing) when every name is already accepted.
     """
-    module_name, alias, owners = spec
+    module_name, alias, _ = spec
     __import__(module_name)
-    old = getattr(sys.modules[module_name], alias)
-    missing = [n for n in names if n not in literal_names(old)]
+    current = getattr(sys.modules[module_name], alias)
+    missing = tuple(n for n in names if n not in literal_names(current))
     if not missing:
-        return False
-    new = Literal[literal_names(old) + tuple(missing)]  # type: ignore[valid-type]
+        return None
     key = (module_name, alias)
-    original, undo = _APPLIED.get(key, (old, _Undo()))
-    # Owners go last in the undo log's reverse order: their rebuild must see the restored aliases.
-    for owner in owners:
-        _retype_class(_resolve(owner), old, new, undo)
-    for mod_name, mod in list(sys.modules.items()):
-        if mod_name.split(".")[0] == "vllm" and getattr(mod, "__dict__", {}).get(alias) is old:
-            undo.setattr(mod, alias, new)
-    undo.steps.insert(0, _clear_arg_caches)
-    _APPLIED[key] = (original, undo)
-    _clear_arg_caches()
-    return True
+    state = _APPLIED.setdefault(key, _Extended(original=current))
+    token = object()
+    state.added[token] = missing
+    try:
+        _install(spec, state)
+    except BaseException:
+        _remove(spec, token)
+        raise
+    return functools.partial(_remove, spec, token)
+
+
+def _remove(spec: tuple[str, str, Sequence[str]], token: object) -> None:
+    key = spec[:2]
+    state = _APPLIED.get(key)
+    if state is None or state.added.pop(token, None) is None:
+        return  # already undone (restore)
+    _install(spec, state)
+    if not state.added:
+        del _APPLIED[key]
 
 
 def restore(spec: tuple[str, str, Sequence[str]]) -> None:
-    """Undo every :func:`extend_literal` on ``spec`` (tests, and ``register.unregister``)."""
-    module_name, alias, _ = spec
-    entry = _APPLIED.pop((module_name, alias), None)
-    if entry is not None:
-        entry[1].run()
-        _clear_arg_caches()
+    """Undo every :func:`extend_literal` on ``spec``: vLLM's own ``Literal`` again (tests)."""
+    state = _APPLIED.pop(spec[:2], None)
+    if state is not None:
+        state.added.clear()
+        _install(spec, state)
 
 
 def accepted_names(spec: tuple[str, str, Sequence[str]]) -> tuple[str, ...]:

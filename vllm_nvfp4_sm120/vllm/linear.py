@@ -7,7 +7,7 @@ GEMM for prefill).  The classes only prepare the layer once at load time: a ``[N
 padding.  The codes are never copied.  A route that cannot take a layer (``dispatch.vendor``) hands it, with one
 log line, to the kernel vLLM's selection picks without it.
 
-The exception is the comparison route ``flashinfer_w4a16`` (:class:`FlashInferW4A16NvFp4LinearKernel`): FlashInfer
+The exception is the comparison route ``flashinfer_w4a16`` (:class:`Sm120FlashInferW4A16NvFp4LinearKernel`): FlashInfer
 ``mm_bf16_fp4`` at every T on the weight as FlashInfer prepares it (``cute-dsl`` repacks the codes), through its
 own op ``torch.ops.nvfp4_sm120.flashinfer_w4a16``.  It replaces the layer's tensors by FlashInfer's, so there is
 still one copy of the weight, and it is opt-in by name only.
@@ -40,6 +40,9 @@ from . import numerics
 from .numerics import apply_numerics_policy
 from .platform import current_capability
 
+# The load-time tensors a route derives from the checkpoint's are *persistent* buffers: vLLM's in-place weight
+# reload (RL weight sync) copies the reprocessed values of parameters and persistent buffers into the tensors the
+# layer held, and skips non-persistent buffers, which would keep the old weights' globals and scales.
 _W_DEC_ROWS = "_nvfp4_sm120_w_dec_rows"
 _W_SCALES_SWIZZLED = "_nvfp4_sm120_w_scales_swizzled"
 # Route flashinfer_w4a16: its weight global (FlashInfer's alpha, [1] fp32) and N (the repacked weight hides it).
@@ -201,8 +204,8 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
 
     def _prepare_layer(self, layer: torch.nn.Module, w4a4: bool) -> None:
         """What the op needs next to the checkpoint's tensors: the per-row decode globals, the route's layout."""
-        layer.register_buffer(_W_DEC_ROWS, scale_policy.weight_dec_rows(layer, w4a4=w4a4), persistent=False)
-        layer.register_buffer(_W_SCALES_SWIZZLED, self._prepare_weight(layer), persistent=False)
+        layer.register_buffer(_W_DEC_ROWS, scale_policy.weight_dec_rows(layer, w4a4=w4a4))
+        layer.register_buffer(_W_SCALES_SWIZZLED, self._prepare_weight(layer))
 
     def _prepare_weight(self, layer: torch.nn.Module) -> torch.Tensor | None:
         """Route-specific load-time layout; returns the swizzled scale copy (None if the route needs none)."""
@@ -229,13 +232,13 @@ class Sm120NvFp4LinearKernel(NvFp4LinearKernel):
         )
 
 
-class TritonNvFp4LinearKernel(Sm120NvFp4LinearKernel):
+class Sm120TritonNvFp4LinearKernel(Sm120NvFp4LinearKernel):
     """Our Triton W4A4 GEMM for prefill (native FP4 MMA on sm_120), W4A16 kernel at decode sizes."""
 
     route = Route.TRITON
 
 
-class CublasNvFp4LinearKernel(Sm120NvFp4LinearKernel):
+class Sm120CublasNvFp4LinearKernel(Sm120NvFp4LinearKernel):
     """cuBLAS block-scaled FP4 GEMM (``torch._scaled_mm``) for prefill; needs swizzled weight scales."""
 
     route = Route.CUBLAS
@@ -253,7 +256,7 @@ class CublasNvFp4LinearKernel(Sm120NvFp4LinearKernel):
         return scales_swizzled
 
 
-class B12xNvFp4LinearKernel(Sm120NvFp4LinearKernel):
+class Sm120B12xNvFp4LinearKernel(Sm120NvFp4LinearKernel):
     """FlashInfer b12x FP4 GEMM for prefill; the codes are padded to multiples of 32 in place."""
 
     route = Route.B12X
@@ -273,7 +276,7 @@ class B12xNvFp4LinearKernel(Sm120NvFp4LinearKernel):
         return scales_swizzled
 
 
-class W4A16NvFp4LinearKernel(Sm120NvFp4LinearKernel):
+class Sm120W4A16NvFp4LinearKernel(Sm120NvFp4LinearKernel):
     """Weight-only: our W4A16 GEMV/GEMM at every T; each fused part keeps its own global.  Opt-in by name."""
 
     route = Route.W4A16
@@ -284,7 +287,7 @@ def activation_dtype(layer: torch.nn.Module) -> torch.dtype:
     return getattr(layer, "params_dtype", None) or torch.get_default_dtype()
 
 
-class FlashInferW4A16NvFp4LinearKernel(Sm120NvFp4LinearKernel):
+class Sm120FlashInferW4A16NvFp4LinearKernel(Sm120NvFp4LinearKernel):
     """FlashInfer ``mm_bf16_fp4`` at every T on the weight FlashInfer prepares (weight-only).  Opt-in by name.
 
     A comparison option, not a default: ``cute-dsl`` (the default backend) repacks the codes, so the layer then
@@ -326,7 +329,7 @@ class FlashInferW4A16NvFp4LinearKernel(Sm120NvFp4LinearKernel):
         if b.data_ptr() != layer.weight.data_ptr():
             replace_parameter(layer, "weight", b)
         replace_parameter(layer, "weight_scale", sf)
-        layer.register_buffer(_FI_ALPHA, alpha, persistent=False)
+        layer.register_buffer(_FI_ALPHA, alpha)
         setattr(layer, _FI_N, n)
 
     def _forward(self, layer, x2, bias):
@@ -337,11 +340,11 @@ class FlashInferW4A16NvFp4LinearKernel(Sm120NvFp4LinearKernel):
 
 
 KERNEL_CLASSES: tuple[type[Sm120NvFp4LinearKernel], ...] = (
-    TritonNvFp4LinearKernel,
-    CublasNvFp4LinearKernel,
-    B12xNvFp4LinearKernel,
-    W4A16NvFp4LinearKernel,
-    FlashInferW4A16NvFp4LinearKernel,
+    Sm120TritonNvFp4LinearKernel,
+    Sm120CublasNvFp4LinearKernel,
+    Sm120B12xNvFp4LinearKernel,
+    Sm120W4A16NvFp4LinearKernel,
+    Sm120FlashInferW4A16NvFp4LinearKernel,
 )
 BY_ROUTE = {cls.route: cls for cls in KERNEL_CLASSES}
 BY_BACKEND = {cls.backend_name: cls for cls in KERNEL_CLASSES}

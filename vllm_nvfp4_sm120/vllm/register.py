@@ -24,11 +24,21 @@ MoE experts (:mod:`.moe`), for ModelOpt's and compressed-tensors' NVFP4 MoE meth
    ``Sm120NvFp4Experts.refusal`` says why not; a name we cannot honour logs why and falls back to vLLM's choice;
 7. their ``process_weights_after_loading`` and ``get_fused_moe_quant_config``, for layers whose experts are ours,
    become ``Sm120NvFp4Experts.prepare_layer`` and ``Sm120NvFp4Experts.quant_config``.
+
+Loading
+
+8. the model loaders' ``process_weights_after_loading(model, ...)`` is followed by one summary line per per-layer
+   warning (count and worst layer) instead of one line per layer.
+
+Every private name the hooks need is listed in :data:`VLLM_NAMES` and checked before anything changes; any error
+while patching undoes what was installed and leaves vLLM as it is (one warning).  The plugin's environment
+variables are registered with vLLM (:data:`ENV_VARS`).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import sys
 from collections.abc import Callable
@@ -36,8 +46,65 @@ from collections.abc import Callable
 ENV_SWITCH = "VLLM_NVFP4_SM120"
 SUPPORTED_VLLM = (0, 33)
 
-_undo: list[Callable[[], None]] = []
-_warned_version = False
+# The plugin's environment variables, registered in ``vllm.envs.environment_variables`` so vLLM knows them: its
+# unknown-variable check (``--fail-on-environ-validation`` turns it into an error) passes, Ray copies them to the
+# workers, ``collect_env`` reports them, and vLLM's torch.compile cache key (``envs.compile_factors``, every
+# registered variable outside its own ignore list) changes with them.  They are registered even while the plugin
+# is off, since the off switch itself is one of them.  ``tests/glue/test_register.py`` checks that every
+# ``VLLM_NVFP4_SM120*`` name in the package is listed here.
+ENV_VARS: tuple[str, ...] = (
+    ENV_SWITCH,  # "0" turns the plugin off
+    "VLLM_NVFP4_SM120_DISABLE_GLUON",  # kernels/gluon_compat.py
+    "VLLM_NVFP4_SM120_CONFIG_DIR",  # dispatch/configs.py
+    "VLLM_NVFP4_SM120_FI_W4A16_BACKEND",  # vllm/linear.py
+    "VLLM_NVFP4_SM120_DECODE",  # vllm/numerics.py: the batch numerics policy
+    "VLLM_NVFP4_SM120_GUARD",  # vllm/numerics.py: the load-time numerics guard
+)
+
+# Every vLLM name the plugin patches or calls later, as "module:attribute[.attribute]".  Registration resolves them
+# all before it changes anything: a vLLM release that renames one leaves the plugin inactive with one warning
+# naming it, instead of failing in the middle of the patches or while a model loads.
+_LINEAR = "vllm.model_executor.kernels.linear"
+_MODELOPT = "vllm.model_executor.layers.quantization.modelopt"
+_CT_LINEAR = "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4"
+_CT_MOE = ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+           "compressed_tensors_moe_w4a4_nvfp4")
+_ORACLE = "vllm.model_executor.layers.fused_moe.oracle.nvfp4"
+VLLM_NAMES: tuple[str, ...] = (
+    f"{_LINEAR}:_POSSIBLE_NVFP4_KERNELS",
+    f"{_LINEAR}:init_nvfp4_linear_kernel",
+    f"{_LINEAR}:_get_linear_backend",
+    "vllm.model_executor.kernels.linear.nvfp4.base:NvFp4LinearKernel",
+    "vllm.model_executor.kernels.linear.nvfp4.base:NvFp4LinearLayerConfig",
+    "vllm.config.kernel:LinearBackend",
+    "vllm.config.kernel:MoEBackend",
+    f"{_MODELOPT}:KNvfp4Static.process",
+    f"{_MODELOPT}:KNvfp4Static.create_weights",
+    f"{_MODELOPT}:WEIGHT",
+    f"{_MODELOPT}:is_weights_pre_processed",
+    f"{_MODELOPT}:select_nvfp4_moe_backend",
+    f"{_MODELOPT}:ModelOptNvFp4FusedMoE.process_weights_after_loading",
+    f"{_MODELOPT}:ModelOptNvFp4FusedMoE.get_fused_moe_quant_config",
+    f"{_CT_LINEAR}:CompressedTensorsW4A4Fp4.process_weights_after_loading",
+    f"{_CT_MOE}:select_nvfp4_moe_backend",
+    f"{_CT_MOE}:CompressedTensorsW4A4Nvfp4MoEMethod.process_weights_after_loading",
+    f"{_CT_MOE}:CompressedTensorsW4A4Nvfp4MoEMethod.get_fused_moe_quant_config",
+    f"{_ORACLE}:select_nvfp4_moe_backend",
+    f"{_ORACLE}:make_nvfp4_moe_kernel",
+    f"{_ORACLE}:NvFp4MoeBackend.EMULATION",
+)
+
+_undo: list[Callable[[], None]] = []  # the patches, newest last
+_env_undo: list[Callable[[], None]] = []  # the environment variables (kept while the plugin is inactive)
+_warned: set[str] = set()  # one warning per reason and process
+
+
+class IncompatibleVllm(Exception):
+    """A name the plugin needs is missing from this vLLM, or is not what the plugin expects."""
+
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(f"{name}: {why}")
+        self.name = name
 
 
 def disabled_by_env() -> bool:
@@ -55,37 +122,142 @@ def is_registered() -> bool:
     return bool(_undo)
 
 
-def register() -> None:
-    """Entry point (``vllm.general_plugins``); safe to call any number of times."""
-    global _warned_version
-    if disabled_by_env():
+def _warn_once(reason: str, msg: str, *args) -> None:
+    if reason in _warned:
         return
+    _warned.add(reason)
+    from .log import logger
+
+    logger.warning(msg, *args)
+
+
+def register() -> None:
+    """Entry point (``vllm.general_plugins``); safe to call any number of times, never raises into vLLM.
+
+    Any error while patching undoes every patch made so far and leaves the plugin inactive with one warning:
+    vLLM then runs exactly as without the plugin.
+    """
     import vllm
 
-    if not vllm_version_supported(vllm.__version__):
-        if not _warned_version:
-            _warned_version = True
+    _register_env_vars()
+    if disabled_by_env():
+        if "off" not in _warned:
+            _warned.add("off")
             from .log import logger
 
-            logger.warning(
-                "vllm-nvfp4-sm120 supports vLLM %d.%d.x only, found %s: the plugin is not active.",
-                *SUPPORTED_VLLM, vllm.__version__,
-            )
+            logger.info("vllm-nvfp4-sm120 is off (%s=0): vLLM runs without it, and --linear-backend / "
+                        "--moe-backend reject its nvfp4_sm120* names as invalid choices.", ENV_SWITCH)
+        return
+    if not vllm_version_supported(vllm.__version__):
+        _warn_once(
+            "version", "vllm-nvfp4-sm120 supports vLLM %d.%d.x only, found %s: the plugin is not active.",
+            *SUPPORTED_VLLM, vllm.__version__,
+        )
         return
     if is_registered():
         return
     try:
+        check_vllm_names()
         _install_linear()
         _install_moe()
-    except BaseException:
-        unregister()
-        raise
+        _install_load_summary()
+    except BaseException as exc:
+        _undo_patches()
+        if not isinstance(exc, Exception):
+            raise  # KeyboardInterrupt, SystemExit: not ours to swallow
+        name = str(exc) if isinstance(exc, IncompatibleVllm) else f"{type(exc).__name__}: {exc}"
+        _warn_once(
+            f"failed: {name}",
+            "vllm-nvfp4-sm120 cannot hook into vLLM %s (%s); the plugin is not active and vLLM's own kernels "
+            "serve every layer (its backend names are not accepted). A vllm-nvfp4-sm120 release for this vLLM "
+            "fixes it; %s=0 silences this.",
+            vllm.__version__, name, ENV_SWITCH,
+        )
+        return
+    from . import linear
+    from .log import logger
+    from .moe import BACKEND_NAMES as MOE_NAMES
+
+    logger.info(
+        "vllm-nvfp4-sm120 active: NVFP4 layers on sm_12x use its kernels; --linear-backend also accepts %s, "
+        "--moe-backend also accepts %s; %s=0 turns the plugin off (then those names are invalid choices).",
+        "|".join(linear.BACKEND_NAMES), "|".join(MOE_NAMES), ENV_SWITCH,
+    )
 
 
 def unregister() -> None:
     """Undo every change :func:`register` made, newest first (tests; a process never needs it)."""
-    while _undo:
-        _undo.pop()()
+    _undo_patches()
+    _run_undo(_env_undo)
+
+
+def _run_undo(steps: list[Callable[[], None]]) -> None:
+    """Run and drop ``steps`` newest first; a failing step does not stop the others (logged once)."""
+    while steps:
+        step = steps.pop()
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001  (never raise into vLLM)
+            _warn_once(f"undo: {exc}", "vllm-nvfp4-sm120: undoing a patch failed (%s: %s)", type(exc).__name__, exc)
+
+
+def _undo_patches() -> None:
+    _run_undo(_undo)
+
+
+def resolve_vllm_name(name: str):
+    """The object a :data:`VLLM_NAMES` entry names; :class:`IncompatibleVllm` naming it if it is missing."""
+    module_name, _, attrs = name.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise IncompatibleVllm(name, f"cannot import {module_name} ({exc})") from exc
+    for attr in attrs.split("."):
+        if not hasattr(obj, attr):
+            raise IncompatibleVllm(name, "not found")
+        obj = getattr(obj, attr)
+    return obj
+
+
+def check_vllm_names() -> None:
+    """Every name the plugin needs exists and has the kind the plugin expects (:class:`IncompatibleVllm` if not)."""
+    from vllm.platforms import PlatformEnum
+
+    from . import backend_names
+
+    for name in VLLM_NAMES:
+        obj = resolve_vllm_name(name)
+        attr = name.rpartition(":")[2]
+        if attr == "_POSSIBLE_NVFP4_KERNELS":
+            if not (isinstance(obj, dict) and isinstance(obj.get(PlatformEnum.CUDA, []), list)):
+                raise IncompatibleVllm(name, f"expected a dict of lists per platform, found {type(obj).__name__}")
+        elif attr.endswith("Backend"):
+            try:
+                backend_names.literal_names(obj)
+            except TypeError as exc:
+                raise IncompatibleVllm(name, str(exc)) from exc
+        elif attr not in ("WEIGHT", "NvFp4MoeBackend.EMULATION") and not callable(obj):
+            raise IncompatibleVllm(name, f"expected a callable, found {type(obj).__name__}")
+
+
+def _register_env_vars() -> None:
+    """Add :data:`ENV_VARS` to vLLM's known variables (once; undone by :func:`unregister`)."""
+    if _env_undo:
+        return
+    try:
+        import vllm.envs as envs
+
+        known = envs.environment_variables
+        if not isinstance(known, dict):
+            return
+        for name in ENV_VARS:
+            if name not in known:
+                known[name] = functools.partial(os.environ.get, name)
+                _env_undo.append(functools.partial(known.pop, name, None))
+    except Exception as exc:  # noqa: BLE001  (a vLLM without the registry: the variables still work)
+        _run_undo(_env_undo)
+        _warn_once("envs", "vllm-nvfp4-sm120: could not register its environment variables with vLLM (%s: %s)",
+                   type(exc).__name__, exc)
 
 
 def _set(obj, name: str, value) -> None:
@@ -99,8 +271,9 @@ def _set(obj, name: str, value) -> None:
 def _extend_backend_literal(spec, names) -> None:
     from . import backend_names
 
-    if backend_names.extend_literal(spec, names):
-        _undo.append(lambda: backend_names.restore(spec))
+    undo = backend_names.extend_literal(spec, names)
+    if undo is not None:
+        _undo.append(undo)
 
 
 # ---- linears -------------------------------------------------------------------------------------------------------
@@ -225,6 +398,35 @@ def select_nvfp4_linear_kernel(use_a16: bool = False):
     return linear.fallback_kernel(use_a16, exclude=tuple(tried))
 
 
+# ---- the end of a model's weight processing ------------------------------------------------------------------------
+
+_LOADER_UTILS = "vllm.model_executor.model_loader.utils"
+
+
+def _install_load_summary() -> None:
+    """After vLLM's ``process_weights_after_loading(model, ...)`` (every loader ends a load with it): one summary
+    line per per-layer warning (:func:`.log.summarize_layer_warnings`).  Optional: a vLLM without that function
+    only loses the summary lines (each problem's first layer is still logged), so it is not in VLLM_NAMES."""
+    from .log import summarize_layer_warnings
+
+    utils = importlib.import_module(_LOADER_UTILS)
+    original = getattr(utils, "process_weights_after_loading", None)
+    if not callable(original):
+        return
+
+    @functools.wraps(original)
+    def process_weights_after_loading(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            summarize_layer_warnings()
+
+    for mod_name, mod in list(sys.modules.items()):
+        imported = getattr(mod, "__dict__", {}).get("process_weights_after_loading")
+        if mod_name.split(".")[0] == "vllm" and imported is original:
+            _set(mod, "process_weights_after_loading", process_weights_after_loading)
+
+
 # ---- MoE experts ---------------------------------------------------------------------------------------------------
 
 def _install_moe() -> None:
@@ -240,12 +442,21 @@ def _install_moe() -> None:
 
     _extend_backend_literal(backend_names.MOE_BACKEND, BACKEND_NAMES)
 
-    original = oracle.select_nvfp4_moe_backend
     for fmt, module, method_cls in ((MODELOPT, modelopt, modelopt.ModelOptNvFp4FusedMoE),
                                     (COMPRESSED_TENSORS, ct, ct.CompressedTensorsW4A4Nvfp4MoEMethod)):
-        if module.select_nvfp4_moe_backend is not original:
-            raise RuntimeError(f"{module.__name__}.select_nvfp4_moe_backend is not vLLM's: another plugin patched it")
-        _set(module, "select_nvfp4_moe_backend", _moe_select(fmt, original))
+        # Another plugin may have replaced the selection first.  We chain to whatever is there: ours answers for
+        # the layers our experts take and hands every other layer to it, so both plugins keep working (stepping
+        # aside would silently drop our experts; raising would stop vLLM).  Which plugin wins a layer both want
+        # depends on their load order, hence the warning.
+        current = module.select_nvfp4_moe_backend
+        if current is not oracle.select_nvfp4_moe_backend:
+            _warn_once(
+                f"chained: {module.__name__}",
+                "vllm-nvfp4-sm120: %s.select_nvfp4_moe_backend was already replaced (by %s.%s, another plugin?); "
+                "ours takes the NVFP4 MoE layers its experts serve and hands every other layer to it",
+                module.__name__, getattr(current, "__module__", "?"), getattr(current, "__qualname__", current),
+            )
+        _set(module, "select_nvfp4_moe_backend", _moe_select(fmt, current))
         _set(method_cls, "process_weights_after_loading",
              _moe_process(fmt, module, method_cls.process_weights_after_loading))
         _set(method_cls, "get_fused_moe_quant_config", _moe_quant_config(method_cls.get_fused_moe_quant_config))

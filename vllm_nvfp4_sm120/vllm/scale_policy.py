@@ -16,7 +16,8 @@ Policy:
   precision (bf16/fp16 at decode sizes, NVFP4 above), which moves a row's output by ~9.5 % of its norm per
   linear (``dispatch/policy.py``; ``VLLM_NVFP4_SM120_DECODE=w4a4`` and vLLM's batch-invariant mode keep one
   numerics at every T).  When the
-  parts differ by more than ``format.SPREAD_WARN_FRACTION``, a load-time warning names the layer and the spread.
+  parts differ by more than ``format.SPREAD_WARN_FRACTION``, a load-time warning names the layer and the spread
+  (the first such layer; one summary line counts the others, :func:`.log.warn_layer`).
 * **W4A16 layers** keep each part's own global as a per-row decode tensor (no accuracy loss, nothing to warn).
 
 The per-part globals are captured just before vLLM merges them (:func:`capture_part_globals`, called from the
@@ -33,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from ..format import SPREAD_WARN_FRACTION, GlobalScale, per_row_decode
-from .log import layer_name, logger
+from .log import layer_name, warn_layer
 
 _PARTS_ATTR = "_nvfp4_sm120_part_dec"  # plain attribute: load-time only, deleted once consumed
 # The two checkpoint formats whose NVFP4 methods the plugin serves (they store the globals in opposite directions).
@@ -87,7 +88,9 @@ def weight_dec_rows(layer: torch.nn.Module, *, w4a4: bool) -> torch.Tensor:
     if parts is not None and w4a4:
         s = parts.spread()
         if s > SPREAD_WARN_FRACTION:
-            logger.warning(
+            warn_layer(
+                "fused parts with different weight global scales (W4A4 uses one)", layer_name(layer), s,
+                f"{100 * s:.1f}%",
                 "NVFP4 layer %s: the weight global scales of its %d fused parts differ by %.1f%% (decode %s); "
                 "W4A4 uses one global per tensor (%.6g, as vLLM does), which rescales the other parts. "
                 "Accuracy may suffer; a checkpoint with a shared global for fused weights avoids it.",
@@ -125,7 +128,8 @@ def gate_up_weight_dec(w13: GlobalScale, name: str) -> torch.Tensor:
     if not torch.allclose(w1, w3):
         differ = ~torch.isclose(w1, w3)
         ratio = float((torch.maximum(w1, w3) / torch.minimum(w1, w3))[differ].max())
-        logger.warning(
+        warn_layer(
+            "MoE gate/up weight global scales that differ (the kernels use w1's)", name, ratio, f"ratio {ratio:.4g}",
             "NVFP4 MoE layer %s: the gate (w1) and up (w3) weight global scales differ for %d of %d experts "
             "(largest ratio %.4g); the kernels use one global per expert, w1's (as vLLM does). "
             "Accuracy may be affected.",
