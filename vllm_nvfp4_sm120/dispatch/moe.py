@@ -209,10 +209,16 @@ DECODE_DOWN_TILES = {
     DecodeDown.EXPERT: DecodeTile(32, 256, 16, num_warps=2, num_stages=4, use_dot=True, use_tma=True),
     DecodeDown.TOKEN: DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True),
 }
-# The largest T the table gives the decode plan: faster than today's path at every T <= 32 on the four measured
-# shapes (1.08-1.99x), slower at T = 64 on two of them (Qwen3-30B-A3B 0.89x, Qwen3-Next-80B 0.97x), so T = 64
-# stays on the tiers.
+# The largest T the table gives the decode plan: in the layer flow (bench moe_decode, H200 device run 20) faster
+# than today's path at every T <= 16 on the four measured shapes (1.00-2.05x), slower at T = 64 on two of them
+# (Qwen3-30B-A3B 0.86x, Qwen3-Next-80B 0.96x), so T = 64 stays on the tiers.
 DECODE_MAX_TOKENS = 32
+# Above this T the decode plan serves only below DECODE_LATE_MAX_ROUTES_PER_EXPERT routes per expert: at T = 32
+# it was 0.98x today's path on Qwen3-30B-A3B (2 routes per expert), 1.05x on Qwen3-235B-A22B (2), 1.05x on
+# DeepSeek-V3 (1) and 1.08x on Qwen3-Next-80B (0.63); the rule keeps the slower point on the tiers and gives up the
+# 5 % of the 235B one rather than fit a rule to four points.
+DECODE_WIDE_MAX_TOKENS = 16
+DECODE_LATE_MAX_ROUTES_PER_EXPERT = 2
 # The token-major down kernel from this T on where I <= DECODE_TOKEN_DOWN_MAX_I (measured: Qwen3-Next-80B, I = 512,
 # T = 4-32: tok-n16k256-w1 in the best pair of every point; the one shape measured with I <= 512).  Likely why: its
 # down GEMM is two K steps per route and with 512 experts few routes share one, so the expert-major dedupe saves
@@ -258,14 +264,18 @@ def decode_tier_plan(cap: Capability, num_tokens: int, *, hidden: int, intermedi
 
 def decode_plan(cap: Capability, *, num_tokens: int, top_k: int, global_experts: int, hidden: int,
                 intermediate: int) -> MoePlan | None:
-    """The table's decode plan for this call, or None (the tiers serve): T <= :data:`DECODE_MAX_TOKENS`, fewer
+    """The table's decode plan for this call, or None (the tiers serve): T <= :data:`DECODE_MAX_TOKENS` (above
+    :data:`DECODE_WIDE_MAX_TOKENS` only below :data:`DECODE_LATE_MAX_ROUTES_PER_EXPERT` routes per expert), fewer
     than ``W4A4_MIN_TOKENS_PER_EXPERT`` routes per expert (where the tiers run weight-only too, so a W4A4
     checkpoint's numerics do not change with the path), every route in one program's id vector (``MAX_ROUTES``),
     and the gate_up bank readable by TMA as measured (``H % 256 == 0``: every real checkpoint; pointer-load
     variants are correct but unmeasured)."""
     if not 1 <= num_tokens <= DECODE_MAX_TOKENS or num_tokens * top_k > MAX_ROUTES:
         return None
-    if tokens_per_expert(num_tokens, top_k, global_experts) >= W4A4_MIN_TOKENS_PER_EXPERT or not tma_ok(hidden):
+    m = tokens_per_expert(num_tokens, top_k, global_experts)
+    if m >= W4A4_MIN_TOKENS_PER_EXPERT or not tma_ok(hidden):
+        return None
+    if num_tokens > DECODE_WIDE_MAX_TOKENS and m >= DECODE_LATE_MAX_ROUTES_PER_EXPERT:
         return None
     return decode_tier_plan(cap, num_tokens, hidden=hidden, intermediate=intermediate)
 
