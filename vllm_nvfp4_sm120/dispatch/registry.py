@@ -152,32 +152,29 @@ def _ready_w4a4_triton(tile, r: Ready):
     return run
 
 
+def _ready_weight_only(launch, r: Ready):
+    """The ready run of a weight-only kernel: the weight's views decided once, a fresh output per call."""
+    t, n, device, dtype = r.t, r.n, r.device, r.dtype
+    views = r.views()
+
+    def run(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias):
+        codes, scales = views(w_codes, w_scales)
+        return launch(x, codes, scales, w_dec_rows, bias, torch.empty((t, n), dtype=dtype, device=device))
+
+    return run
+
+
 def _ready_w4a16(prepare):
     def build(tile, r: Ready):
-        t, n, device, dtype = r.t, r.n, r.device, r.dtype
-        launch = prepare(t, n, r.k, has_bias=r.has_bias, **tile)
-        views = r.views()
-
-        def run(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias):
-            codes, scales = views(w_codes, w_scales)
-            return launch(x, codes, scales, w_dec_rows, bias, torch.empty((t, n), dtype=dtype, device=device))
-
-        return run
+        return _ready_weight_only(prepare(r.t, r.n, r.k, has_bias=r.has_bias, **tile), r)
 
     return build
 
 
 def _ready_gluon(kind, tile_cls):
     def build(tile, r: Ready):
-        t, n, device, dtype = r.t, r.n, r.device, r.dtype
-        launch = gluon_gemv.prepare_gemv(kind, t, n, r.k, device, dtype, tile=tile_cls(**tile), has_bias=r.has_bias)
-        views = r.views()
-
-        def run(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias):
-            codes, scales = views(w_codes, w_scales)
-            return launch(x, codes, scales, w_dec_rows, bias, torch.empty((t, n), dtype=dtype, device=device))
-
-        return run
+        return _ready_weight_only(gluon_gemv.prepare_gemv(kind, r.t, r.n, r.k, r.device, r.dtype, tile=tile_cls(**tile),
+                                                          has_bias=r.has_bias), r)
 
     return build
 
