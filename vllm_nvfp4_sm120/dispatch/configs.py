@@ -443,11 +443,12 @@ def _files(device: str, family: str, arch: Family) -> tuple[ConfigFile, ...]:
 
 def clear_cache() -> None:
     """Forget the files read (after writing one, or changing ``$VLLM_NVFP4_SM120_CONFIG_DIR``), and the linear op's
-    cached plans chosen from them."""
-    from . import linear_call
+    cached plans chosen from them (and the MoE flow's)."""
+    from . import linear_call, moe_flow
 
     _files.cache_clear()
     linear_call.clear()
+    moe_flow.clear()
 
 
 def files_for(cap: Capability, family: str) -> tuple[ConfigFile, ...]:

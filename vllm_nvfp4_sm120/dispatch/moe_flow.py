@@ -7,12 +7,20 @@ routing weight is the down GEMM's; the top-k sum is fp32 atomics into ``[T, H]``
 per-route buffer ``[T * top_k, H]`` summed in slot order.  Every buffer is sized from shapes (T, top_k, E, block
 size), nothing reads a device value on the host: the function is CUDA-graph safe and can be a torch custom op.
 
+A call's checks and plan depend only on its tensors' metadata and its options, so they run once per signature:
+the first call validates every tensor and selects the plan, later ones with the same signature find it in a dict
+(the key also holds what the selector reads besides the shapes: the policy's and the substitutions' generation,
+``policy.generation()``, and the selector environment; ``configs.clear_cache`` forgets the entries).  The launchers
+still check their arguments.
+
 Decode plans (``Impl.DECODE``, small T) skip the alignment: ``topk_ids`` (and ``expert_map``) go straight into the
 gate_up kernel (gated activation fused) and the down kernel (routing weight and top-k sum fused); see
 :func:`_run_decode`.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -24,11 +32,26 @@ from ..kernels.moe_align import moe_align, moe_sum
 from ..kernels.moe_common import check_moe_layer
 from ..kernels.moe_decode import down_expert_workspace
 from ..kernels.moe_w4a4 import moe_quant_input
+from . import policy
 from .hw import capability_of
 from .linear import act_quant_config
 from .moe import DecodeDown, Impl, MoeKernel, MoePlan, select_moe_plan
+from .linear_call import MAX_ENTRIES, SELECTOR_ENV
 from .policy import current_policy
 from .registry import MOE_KERNELS
+
+# Per call signature (the metadata of every tensor argument, activation, deterministic, an explicit plan, the
+# policy's and substitutions' generation, the selector environment): its checks passed and this is its plan.
+_CACHE: dict[tuple, tuple[MoePlan, bool, bool]] = {}
+
+
+def clear() -> None:
+    """Forget every cached entry (after anything the selectors read changed)."""
+    _CACHE.clear()
+
+
+def _meta(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
 def plan_for(x, w13_codes, w2_codes, topk_ids, *, w4a4: bool, expert_map=None) -> MoePlan:
@@ -56,26 +79,25 @@ def nvfp4_moe(
     activation output directly, as the fused epilogue does).  ``plan`` overrides the dispatch (tests; on CPU with
     ``TRITON_INTERPRET=1`` it runs the kernels in the interpreter).
     """
-    check_moe_layer(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
-                    a13_enc, a2_enc, expert_map)  # every tensor, CPU and GPU alike, before anything reads them
-    t, h = x.shape
-    if (a13_enc is None) != (a2_enc is None):
-        raise ValueError("a13_enc and a2_enc: give both (W4A4) or neither (W4A16)")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-    check_tensor("topk_ids", topk_ids, dtype=(torch.int32, torch.int64), ndim=2)
-    check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=[t, topk_ids.shape[1]])
-    check_tensor("topk_ids", topk_ids, shape=[t, None])
-    if out is None:
-        out = torch.empty((t, h), dtype=x.dtype, device=x.device)
-    check_tensor("out", out, dtype=x.dtype, shape=[t, h], last_dim_contiguous=True)
+    try:
+        key = (*map(_meta, (x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
+                            a13_enc, a2_enc, expert_map, out)),
+               activation, deterministic, plan, policy.generation(), *map(os.environ.get, SELECTOR_ENV))
+        entry = _CACHE.get(key)
+    except (AttributeError, TypeError):  # not a tensor, or unhashable: no entry, the checks name the argument
+        key = entry = None
+    if entry is None:
+        entry = _checked_plan(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
+                              a13_enc, a2_enc, expert_map, activation, deterministic, out, plan)
+        if key is not None:
+            if len(_CACHE) >= MAX_ENTRIES:
+                _CACHE.clear()
+            _CACHE[key] = entry
     explicit_plan = plan is not None
-    batch_invariant = current_policy().batch_invariant
-    deterministic = deterministic or batch_invariant  # atomics add the top-k routes in a run-dependent order
-    if plan is None:
-        plan = plan_for(x, w13_codes, w2_codes, topk_ids, w4a4=a13_enc is not None, expert_map=expert_map)
-    if plan.kernel == MoeKernel.W4A4 and a13_enc is None:
-        raise ValueError("plan: a W4A4 plan needs the activation scales a13_enc and a2_enc")
+    plan, deterministic, batch_invariant = entry
+    t = x.shape[0]
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
     if x.device.type != "cuda" and not (explicit_plan and interpreting()):
         # CPU: the torch reference in the plan's form.  (Tests that pass a plan run the kernels in the interpreter.)
@@ -90,6 +112,30 @@ def nvfp4_moe(
                                      topk_ids, a13_enc, a2_enc, expert_map, activation, plan))
     return _run_kernels(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
                         a13_enc, a2_enc, expert_map, activation, deterministic, out, plan)
+
+
+def _checked_plan(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, a13_enc,
+                  a2_enc, expert_map, activation, deterministic, out, plan) -> tuple[MoePlan, bool, bool]:
+    """Every check of a call with a new signature, and its plan: ``(plan, deterministic, batch_invariant)``."""
+    check_moe_layer(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
+                    a13_enc, a2_enc, expert_map)  # every tensor, CPU and GPU alike, before anything reads them
+    t, h = x.shape
+    if (a13_enc is None) != (a2_enc is None):
+        raise ValueError("a13_enc and a2_enc: give both (W4A4) or neither (W4A16)")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    check_tensor("topk_ids", topk_ids, dtype=(torch.int32, torch.int64), ndim=2)
+    check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=[t, topk_ids.shape[1]])
+    check_tensor("topk_ids", topk_ids, shape=[t, None])
+    if out is not None:  # the flow allocates it otherwise, in x's dtype and shape
+        check_tensor("out", out, dtype=x.dtype, shape=[t, h], last_dim_contiguous=True)
+    batch_invariant = current_policy().batch_invariant
+    deterministic = deterministic or batch_invariant  # atomics add the top-k routes in a run-dependent order
+    if plan is None:
+        plan = plan_for(x, w13_codes, w2_codes, topk_ids, w4a4=a13_enc is not None, expert_map=expert_map)
+    if plan.kernel == MoeKernel.W4A4 and a13_enc is None:
+        raise ValueError("plan: a W4A4 plan needs the activation scales a13_enc and a2_enc")
+    return plan, bool(deterministic), batch_invariant
 
 
 def _reference(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,

@@ -44,6 +44,19 @@ class NumericsPolicy:
 
 DEFAULT = NumericsPolicy()
 _policy = DEFAULT
+# Bumped by every change of what the selectors read here (the policy, the substitutions): callers that cache a
+# selected plan (the MoE flow) key on it, so a change takes effect at the next call.
+_generation = 0
+
+
+def generation() -> int:
+    """A counter that changes whenever the policy or a substitution changes."""
+    return _generation
+
+
+def _bump() -> None:
+    global _generation
+    _generation += 1
 
 
 def parse_decode(value: str | None, source: str = "decode") -> Decode:
@@ -62,6 +75,7 @@ def set_policy(policy: NumericsPolicy) -> None:
     if not isinstance(policy, NumericsPolicy):
         raise TypeError(f"policy: expected a NumericsPolicy, got {type(policy).__name__}")
     _policy = policy
+    _bump()
 
 
 def current_policy() -> NumericsPolicy:
@@ -77,6 +91,7 @@ def set_substitute(key: tuple, plan: object) -> None:
     """From now on, where the selector would return the plan of ``key`` (the plan and the shape it failed at), it
     returns ``plan``."""
     _substitutes[key] = plan
+    _bump()
 
 
 def substitute(key: tuple, plan):
@@ -86,3 +101,4 @@ def substitute(key: tuple, plan):
 def clear_substitutes() -> None:
     """Forget every substitution (tests)."""
     _substitutes.clear()
+    _bump()

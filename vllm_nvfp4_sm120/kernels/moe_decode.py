@@ -813,9 +813,42 @@ def check_topk_ids(topk_ids, global_experts: int) -> None:
         raise ValueError(f"topk_ids: expected expert ids in [0, {global_experts}), got values in [{lo}, {hi}]")
 
 
+# Metadata signatures (shapes, strides, dtypes, devices) whose checks passed, with what the checks derived: a
+# layer's banks and its routing keep theirs from call to call, so the launchers check them once per signature
+# (bounded, as the MoE flow's cache).
+_BANKS: dict[tuple, tuple[int, int, int]] = {}
+_ROUTINGS: dict[tuple, tuple[int, int, int]] = {}
+_MAX_CHECKED = 1 << 16
+
+
+def _meta(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _remember(cache: dict, key: tuple, value):
+    if len(cache) >= _MAX_CHECKED:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 def _check_routing(topk_ids, topk_weights, expert_map, num_experts: int, t: int | None, check_ids: bool, device):
     """topk ids/weights ``[T, top_k]`` (contiguous: the kernels index them flat) and the optional map; returns
-    ``(T, top_k, global E, map or a dummy, has_map)``."""
+    ``(T, top_k, global E, map or a dummy, has_map)``.  The id range check reads the ids (CPU, or ``check_ids``):
+    it runs on every call."""
+    key = (_meta(topk_ids), _meta(topk_weights), _meta(expert_map), num_experts, t, device)
+    dims = _ROUTINGS.get(key)
+    if dims is None:
+        dims = _remember(_ROUTINGS, key, _check_routing_meta(topk_ids, topk_weights, expert_map, num_experts, t,
+                                                             device))
+    t, k, global_e = dims
+    if check_ids or topk_ids.device.type == "cpu":
+        check_topk_ids(topk_ids, global_e)
+    emap = expert_map if expert_map is not None else topk_ids
+    return t, k, global_e, emap, expert_map is not None
+
+
+def _check_routing_meta(topk_ids, topk_weights, expert_map, num_experts: int, t: int | None, device):
     import torch
 
     from ..format.checks import check_tensor
@@ -841,15 +874,22 @@ def _check_routing(topk_ids, topk_weights, expert_map, num_experts: int, t: int 
         if not expert_map.is_contiguous():
             raise ValueError("expert_map: expected a contiguous 1-D tensor")
         global_e = expert_map.shape[0]
-    if check_ids or topk_ids.device.type == "cpu":
-        check_topk_ids(topk_ids, global_e)
-    emap = expert_map if expert_map is not None else topk_ids
-    return t, k, global_e, emap, expert_map is not None
+    return t, k, global_e
 
 
 def _check_bank(name: str, codes, scales, dec, rows: int | None, k: int | None, device):
     """codes ``[E, rows, K/2]`` u8, scales ``[E, rows, K/16]`` e4m3 (or its bytes), dec ``[E]`` fp32, on
     ``device``, rows contiguous.  Returns ``(scale bytes, E, rows, K)``."""
+    import torch
+
+    key = (name, _meta(codes), _meta(scales), _meta(dec), rows, k, device)
+    dims = _BANKS.get(key)
+    if dims is None:
+        dims = _remember(_BANKS, key, _check_bank_meta(name, codes, scales, dec, rows, k, device))
+    return scales.view(torch.uint8), *dims
+
+
+def _check_bank_meta(name: str, codes, scales, dec, rows: int | None, k: int | None, device):
     import torch
 
     from ..format.checks import as_e4m3, check_tensor
@@ -864,7 +904,7 @@ def _check_bank(name: str, codes, scales, dec, rows: int | None, k: int | None, 
     scales = as_e4m3(f"{name}_scales", scales)
     check_tensor(f"{name}_scales", scales, shape=[e, n, kk // 16], last_dim_contiguous=True, device=device)
     check_tensor(f"{name}_dec", dec, dtype=torch.float32, shape=[e], device=device)
-    return scales.view(torch.uint8), e, n, kk
+    return e, n, kk
 
 
 def _route_block(routes: int) -> int:
