@@ -169,6 +169,20 @@ def test_one_log_line_per_choice(fmt, glue_log):
     assert len([r for r in glue_log.records if r.levelno == logging.INFO]) == 1
 
 
+@pytest.mark.parametrize("backend", ["auto", glue.BACKEND_NAME])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_weight_cache_daemon_load_uses_vllm_experts(fmt, backend, glue_log):
+    """The weight-cache IPC loader skips our experts' load step: the daemon (and an ipc_cache engine) pick vLLM's."""
+    from vllm_nvfp4_sm120.vllm.load_modes import loading_for_weight_cache
+
+    with on_gpu(SM120, moe_backend=backend), loading_for_weight_cache():
+        layer = build(fmt)
+        build(fmt, idx=1)
+    assert layer.quant_method.experts_cls is not glue.Sm120NvFp4Experts
+    warnings = [r.getMessage() for r in glue_log.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "weight-cache IPC loader (the weight cache daemon" in warnings[0], warnings
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_not_ours_on_sm90_unless_named(fmt):
     with on_gpu(SM90):
