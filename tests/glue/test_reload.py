@@ -111,6 +111,11 @@ def test_reload_matches_fresh_load(case):
 
 # ---- refused modes -------------------------------------------------------------------------------------------------
 
+# What a kernel-format reload from a weights iterator reads of the config (no loader, no LoRA).
+KERNEL_FORMAT_CONFIG = types.SimpleNamespace(model_config=types.SimpleNamespace(quantization="modelopt_fp4"),
+                                             load_config=None, lora_config=None)
+
+
 @pytest.fixture
 def glue_log(plugin_log, monkeypatch):
     monkeypatch.setattr(glue_log_state, "_logged", set())  # every test sees its own once-per-choice lines
@@ -141,6 +146,29 @@ def test_kernel_format_reload_refused_before_touching_a_tensor(backend, glue_log
     assert len(errors) == 1 and "Reload in checkpoint format (is_checkpoint_format=True)" in errors[0], errors
 
 
+@pytest.mark.parametrize("backend", ["auto", "nvfp4_sm120_w4a16"])
+def test_why_kernel_format_reload_is_refused(backend):
+    """What vLLM's kernel-format reload would do without the refusal: the parameters are new, the per-row globals
+    the route derived at load are the old weights' (so the refusal stays needed while this holds)."""
+    import vllm.model_executor.model_loader.reload.inplace as inplace
+
+    with pytest.MonkeyPatch.context() as mp:
+        fake_cuda(mp, (12, 0))
+        fp4_routes_stub.install(mp)
+        config = vllm_config(linear_backend=backend)
+        with set_current_vllm_config(config):
+            layer = build_loaded("modelopt", "w4a4", "gate_up", prob_seed=1)
+            fresh = build_loaded("modelopt", "w4a4", "gate_up", prob_seed=2)
+            old_rows = getattr(layer, ours._W_DEC_ROWS).clone()
+            weights = [(name, t.data) for name, t in fresh.named_parameters()]
+            inplace.reload_weights.__wrapped__(KERNEL_FORMAT_CONFIG, layer, iter(weights), None,
+                                               is_checkpoint_format=False)
+    for name, t in fresh.named_parameters():
+        torch.testing.assert_close(getattr(layer, name), t, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(getattr(layer, ours._W_DEC_ROWS), old_rows, rtol=0, atol=0)
+    assert not torch.equal(getattr(layer, ours._W_DEC_ROWS), getattr(fresh, ours._W_DEC_ROWS))
+
+
 def test_kernel_format_reload_of_other_layers_reaches_vllm():
     """Only layers on our kernels are refused: vLLM copies the kernel-format tensors into anything else."""
     import vllm.model_executor.model_loader.reload.inplace as inplace
@@ -148,10 +176,8 @@ def test_kernel_format_reload_of_other_layers_reaches_vllm():
     assert inplace.reload_weights.__wrapped__ is not inplace.reload_weights
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     new = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
-    config = types.SimpleNamespace(model_config=types.SimpleNamespace(quantization="modelopt_fp4"),
-                                   load_config=None, lora_config=None)
     with torch.no_grad():
-        inplace.reload_weights(config, model, iter([("0.weight", new)]), None, is_checkpoint_format=False)
+        inplace.reload_weights(KERNEL_FORMAT_CONFIG, model, iter([("0.weight", new)]), None, is_checkpoint_format=False)
     torch.testing.assert_close(model[0].weight.data, new, rtol=0, atol=0)
 
 

@@ -1,16 +1,18 @@
-"""The two vLLM load modes that skip our routes' load step, and how the plugin refuses them.
+"""The two vLLM load modes that skip our kernels' load step, and how the plugin refuses them.
 
-Every route derives tensors at load (per-row weight globals, swizzled scales; b12x pads the codes, the
-``flashinfer_w4a16`` route keeps FlashInfer's prepared weight) and keeps Python-side state (a fallback kernel, N).
-Two vLLM 0.33 paths put weights into a layer without running that step:
+Every linear route derives tensors at load and keeps them as buffers (per-row weight globals, swizzled scales; b12x
+pads the codes, the ``flashinfer_w4a16`` route keeps FlashInfer's prepared weight and N), and keeps Python-side
+state (a fallback kernel).  Two vLLM 0.33 paths put weights into a layer without running that step:
 
 * ``reload_weights(is_checkpoint_format=False)`` (kernel-format reload) copies the given tensors into the
-  layer's *parameters* only and does not call ``process_weights_after_loading``: our derived buffers would keep the
-  old weights' globals and scales.  :func:`refuse_kernel_format_reload` raises before any tensor is touched.
+  layer's *parameters* only and does not call ``process_weights_after_loading``: a linear's derived buffers would
+  keep the old weights' globals and scales.  :func:`refuse_kernel_format_reload` raises before any tensor is
+  touched.  Our MoE experts keep every tensor they read as a parameter (their quant config holds the parameters
+  themselves), so a kernel-format reload updates them like vLLM's own experts and is not refused.
 * the weight-cache IPC loader (``--load-format ipc_cache``, fed by a ``vllm preload`` daemon) maps the daemon's
-  processed tensors and skips the quant methods' tensor work, so our kernels' load step never runs in the engine.
-  In this mode, in the engine and in the daemon alike (:func:`loading_for_weight_cache`), selection hands NVFP4
-  layers to vLLM's own kernels, so both processes lay the tensors out the same way.
+  processed tensors and skips the quant methods' tensor work, so our load step never runs in the engine.  In this
+  mode, in the engine and in the daemon alike (:func:`loading_for_weight_cache`), selection hands NVFP4 linears and
+  MoE layers to vLLM's own kernels, so both processes lay the tensors out the same way.
 
 Checkpoint-format reloads (the RL weight-sync path) rerun the load step and are supported.
 """
@@ -62,33 +64,28 @@ def log_weight_cache_refusal(what: str, mode: str, fallback: str) -> None:
     )
 
 
-def layers_on_our_kernels(model: torch.nn.Module) -> list[tuple[str, str]]:
-    """(module name, what serves it) for every layer whose load step is ours."""
+def linears_on_our_routes(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """(module name, route) for every linear whose load step is one of our routes' (not a fallback's)."""
     from .linear import Sm120NvFp4LinearKernel
-    from .moe import Sm120NvFp4Experts
 
     found = []
     for name, module in model.named_modules():
-        method = getattr(module, "quant_method", None)
-        kernel = getattr(method, "kernel", None)
+        kernel = getattr(getattr(module, "quant_method", None), "kernel", None)
         if isinstance(kernel, Sm120NvFp4LinearKernel) and kernel._fallback is None:
             found.append((name or layer_name(module), f"linear route {kernel.route} ({kernel.backend_name})"))
-        elif method is not None and Sm120NvFp4Experts.serves(method):
-            found.append((name or layer_name(module), "MoE experts nvfp4_sm120"))
     return found
 
 
 def refuse_kernel_format_reload(model: torch.nn.Module) -> None:
-    """ValueError (and one error line) when a kernel-format reload would leave a layer of ours stale."""
-    found = layers_on_our_kernels(model)
+    """ValueError (and one error line) when a kernel-format reload would leave a linear of ours stale."""
+    found = linears_on_our_routes(model)
     if not found:
         return
     name, what = found[0]
     msg = (f"nvfp4_sm120: reload_weights(is_checkpoint_format=False) cannot update layer {name} ({what}) and "
-           f"{len(found) - 1} more: a kernel-format reload copies parameters only, and our kernels derive tensors "
-           "at load (per-row globals, swizzled scales, padded or FlashInfer-prepared weights) that it would leave "
+           f"{len(found) - 1} more: a kernel-format reload copies parameters only, and our linear routes keep "
+           "buffers derived at load (per-row globals, swizzled scales, FlashInfer's alpha) that it would leave "
            "stale. Nothing was changed. Reload in checkpoint format (is_checkpoint_format=True), or serve the "
-           "model on vLLM's kernels (e.g. --linear-backend flashinfer_cutlass --moe-backend flashinfer_cutlass, "
-           "or VLLM_NVFP4_SM120=0).")
+           "linears on vLLM's kernels (e.g. --linear-backend flashinfer_cutlass, or VLLM_NVFP4_SM120=0).")
     log_once("error", ("kernel-format reload",), "%s", msg)
     raise ValueError(msg)
