@@ -30,7 +30,7 @@ Loading
 8. the model loaders' ``process_weights_after_loading(model, ...)`` is followed by one summary line per per-layer
    warning (count and worst layer) instead of one line per layer;
 9. the load modes that skip our load step (:mod:`.load_modes`): ``reload_weights``, where vLLM defines and imported
-   it, refuses a kernel-format reload of a model with layers on our kernels before it touches a tensor; the
+   it, refuses a kernel-format reload of a model with linears on our routes before it touches a tensor; the
    weight cache daemon's ``WeightCacheDaemon.get_model`` marks its load, so that selection there and under
    ``--load-format ipc_cache`` hands NVFP4 layers to vLLM's kernels.
 
@@ -451,8 +451,9 @@ def _install_load_summary() -> None:
 # ---- load modes that skip our load step ------------------------------------------------------------------------------
 
 def _install_load_modes() -> None:
-    """Kernel-format reloads refused (where ``reload_weights`` is defined and imported by name); the weight cache
-    daemon's load marked, so that its selection matches an ``--load-format ipc_cache`` engine's (vLLM's kernels)."""
+    """Kernel-format reloads of our linears refused (where ``reload_weights`` is defined and imported by name); the
+    weight cache daemon's load marked, so that its selection matches an ``--load-format ipc_cache`` engine's
+    (vLLM's kernels)."""
     from .load_modes import loading_for_weight_cache, refuse_kernel_format_reload
 
     inplace = importlib.import_module(_RELOAD)
