@@ -169,6 +169,20 @@ def test_one_log_line_per_choice(fmt, glue_log):
     assert len([r for r in glue_log.records if r.levelno == logging.INFO]) == 1
 
 
+@pytest.mark.parametrize("backend", ["auto", glue.BACKEND_NAME])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_weight_cache_daemon_load_uses_vllm_experts(fmt, backend, glue_log):
+    """The weight-cache IPC loader skips our experts' load step: the daemon (and an ipc_cache engine) pick vLLM's."""
+    from vllm_nvfp4_sm120.vllm.load_modes import loading_for_weight_cache
+
+    with on_gpu(SM120, moe_backend=backend), loading_for_weight_cache():
+        layer = build(fmt)
+        build(fmt, idx=1)
+    assert layer.quant_method.experts_cls is not glue.Sm120NvFp4Experts
+    warnings = [r.getMessage() for r in glue_log.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "weight-cache IPC loader (the weight cache daemon" in warnings[0], warnings
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_not_ours_on_sm90_unless_named(fmt):
     with on_gpu(SM90):
@@ -358,6 +372,34 @@ def vllm_emulation_moe(experts, w13, w2, x, topk_weights, topk_ids):
 def routing(t, gen):
     weights, ids = topk_route(torch.randn(t, E, generator=gen), TOP_K)
     return weights, ids
+
+
+@pytest.mark.parametrize("act", ["w4a4", "w4a16"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernel_format_reload_matches_fresh_load(fmt, act, gen):
+    """``reload_weights(is_checkpoint_format=False)`` copies processed tensors into the parameters and runs no load
+    step; our experts read parameters only, so the layer then computes what a fresh load of those weights does."""
+    import types
+
+    import vllm.model_executor.model_loader.reload.inplace as inplace
+
+    layer = loaded(fmt, act, Checkpoint(gen), moe_backend=glue.BACKEND_NAME)  # W4A16 experts are ours by name
+    fresh = loaded(fmt, act, Checkpoint(gen, split_inputs=True), moe_backend=glue.BACKEND_NAME)
+    assert glue.Sm120NvFp4Experts.serves(layer.quant_method)
+    held = {n: t.data_ptr() for n, t in [*layer.named_parameters(), *layer.named_buffers()]}
+    config = types.SimpleNamespace(model_config=types.SimpleNamespace(quantization=fmt), load_config=None,
+                                   lora_config=None)
+    weights = [(n, t.data.clone()) for n, t in fresh.named_parameters()]
+    inplace.reload_weights(config, layer, iter(weights), None, is_checkpoint_format=False)
+
+    assert {n: t.data_ptr() for n, t in [*layer.named_parameters(), *layer.named_buffers()]} == held
+    now = dict([*layer.named_parameters(), *layer.named_buffers()])
+    for name, t in [*fresh.named_parameters(), *fresh.named_buffers()]:
+        torch.testing.assert_close(now[name], t, rtol=0, atol=0, msg=name)
+    for t in (2, 32):  # weight-only below the W4A4 threshold, activations quantized above
+        x = torch.randn(t, H, generator=gen).to(torch.bfloat16)
+        tw, ti = routing(t, gen)
+        torch.testing.assert_close(run_experts(layer, x, tw, ti), run_experts(fresh, x, tw, ti), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -26,6 +26,8 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 from vllm.model_executor.layers.quantization.compressed_tensors.schemes import compressed_tensors_w4a4_nvfp4 as ct
 from vllm.model_executor.model_loader import base_loader
 from vllm.model_executor.model_loader import utils as loader_utils
+from vllm.model_executor.model_loader.reload import inplace as reload_inplace
+from vllm.model_executor.model_loader.weight_cache.daemon import WeightCacheDaemon
 from vllm.platforms import PlatformEnum
 
 import vllm_nvfp4_sm120
@@ -55,6 +57,7 @@ def snapshot() -> dict:
         "moe_methods": tuple((vars(c).get("process_weights_after_loading"), vars(c).get("get_fused_moe_quant_config"))
                              for c in MOE_METHODS),
         "load_end": (loader_utils.process_weights_after_loading, base_loader.process_weights_after_loading),
+        "load_modes": (reload_inplace.reload_weights, vars(WeightCacheDaemon)["get_model"]),
     }
 
 
@@ -239,7 +242,8 @@ def test_register_unregister_register_is_symmetric(pristine):
     again = snapshot()
     for key in first:
         assert again[key] == first[key] or key in ("init", "init_modelopt", "init_ct", "modelopt_process",
-                                                   "ct_process", "moe_select", "moe_methods", "load_end"), key
+                                                   "ct_process", "moe_select", "moe_methods", "load_end",
+                                                   "load_modes"), key
     assert KernelConfig(linear_backend="nvfp4_sm120").linear_backend == "nvfp4_sm120"
     assert KernelConfig(moe_backend="nvfp4_sm120").moe_backend == "nvfp4_sm120"
     plugin.unregister()

@@ -28,7 +28,11 @@ MoE experts (:mod:`.moe`), for ModelOpt's and compressed-tensors' NVFP4 MoE meth
 Loading
 
 8. the model loaders' ``process_weights_after_loading(model, ...)`` is followed by one summary line per per-layer
-   warning (count and worst layer) instead of one line per layer.
+   warning (count and worst layer) instead of one line per layer;
+9. the load modes that skip our load step (:mod:`.load_modes`): ``reload_weights``, where vLLM defines and imported
+   it, refuses a kernel-format reload of a model with linears on our routes before it touches a tensor; the
+   weight cache daemon's ``WeightCacheDaemon.get_model`` marks its load, so that selection there and under
+   ``--load-format ipc_cache`` hands NVFP4 layers to vLLM's kernels.
 
 Every private name the hooks need is listed in :data:`VLLM_NAMES` and checked before anything changes; any error
 while patching undoes what was installed and leaves vLLM as it is (one warning).  The plugin's environment
@@ -70,6 +74,8 @@ _CT_LINEAR = "vllm.model_executor.layers.quantization.compressed_tensors.schemes
 _CT_MOE = ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
            "compressed_tensors_moe_w4a4_nvfp4")
 _ORACLE = "vllm.model_executor.layers.fused_moe.oracle.nvfp4"
+_RELOAD = "vllm.model_executor.model_loader.reload.inplace"
+_DAEMON = "vllm.model_executor.model_loader.weight_cache.daemon"
 VLLM_NAMES: tuple[str, ...] = (
     f"{_LINEAR}:_POSSIBLE_NVFP4_KERNELS",
     f"{_LINEAR}:init_nvfp4_linear_kernel",
@@ -92,6 +98,8 @@ VLLM_NAMES: tuple[str, ...] = (
     f"{_ORACLE}:select_nvfp4_moe_backend",
     f"{_ORACLE}:make_nvfp4_moe_kernel",
     f"{_ORACLE}:NvFp4MoeBackend.EMULATION",
+    f"{_RELOAD}:reload_weights",
+    f"{_DAEMON}:WeightCacheDaemon.get_model",
 )
 
 _undo: list[Callable[[], None]] = []  # the patches, newest last
@@ -161,6 +169,7 @@ def register() -> None:
         _install_linear()
         _install_moe()
         _install_load_summary()
+        _install_load_modes()
     except BaseException as exc:
         _undo_patches()
         if not isinstance(exc, Exception):
@@ -371,7 +380,19 @@ def _selection_refusal(cls, use_a16: bool) -> str | None:
 
 
 def select_nvfp4_linear_kernel(use_a16: bool = False):
-    """Drop-in for vLLM's ``init_nvfp4_linear_kernel``: our names here, everything else to vLLM."""
+    """Drop-in for vLLM's ``init_nvfp4_linear_kernel``: our names here, everything else to vLLM; vLLM's kernels
+    when the weight-cache IPC loader skips our load step (:mod:`.load_modes`)."""
+    from . import linear
+    from .load_modes import log_weight_cache_refusal, weight_cache_mode
+
+    kernel = _select_nvfp4_linear_kernel(use_a16)
+    if isinstance(kernel, linear.KERNEL_CLASSES) and (mode := weight_cache_mode()) is not None:
+        kernel = linear.fallback_kernel(use_a16, exclude=linear.KERNEL_CLASSES)
+        log_weight_cache_refusal(f"NVFP4 {'W4A16' if use_a16 else 'W4A4'} linears", mode, type(kernel).__name__)
+    return kernel
+
+
+def _select_nvfp4_linear_kernel(use_a16: bool):
     import vllm.envs as envs
     from vllm.model_executor.kernels import linear as L
     from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearLayerConfig
@@ -427,6 +448,39 @@ def _install_load_summary() -> None:
             _set(mod, "process_weights_after_loading", process_weights_after_loading)
 
 
+# ---- load modes that skip our load step ------------------------------------------------------------------------------
+
+def _install_load_modes() -> None:
+    """Kernel-format reloads of our linears refused (where ``reload_weights`` is defined and imported by name); the
+    weight cache daemon's load marked, so that its selection matches an ``--load-format ipc_cache`` engine's
+    (vLLM's kernels)."""
+    from .load_modes import loading_for_weight_cache, refuse_kernel_format_reload
+
+    inplace = importlib.import_module(_RELOAD)
+    original = inplace.reload_weights
+
+    @functools.wraps(original)
+    def reload_weights(vllm_config, model, weights_iterator, weights_path, is_checkpoint_format):
+        if not is_checkpoint_format:
+            refuse_kernel_format_reload(model)
+        return original(vllm_config, model, weights_iterator, weights_path, is_checkpoint_format)
+
+    for mod_name, mod in list(sys.modules.items()):
+        imported = getattr(mod, "__dict__", {}).get("reload_weights")
+        if mod_name.split(".")[0] == "vllm" and imported is original:
+            _set(mod, "reload_weights", reload_weights)
+
+    daemon = importlib.import_module(_DAEMON).WeightCacheDaemon
+    get_model = daemon.get_model
+
+    @functools.wraps(get_model)
+    def daemon_get_model(self):
+        with loading_for_weight_cache():
+            return get_model(self)
+
+    _set(daemon, "get_model", daemon_get_model)
+
+
 # ---- MoE experts ---------------------------------------------------------------------------------------------------
 
 def _install_moe() -> None:
@@ -463,6 +517,7 @@ def _install_moe() -> None:
 
 
 def _moe_select(fmt: str, original: Callable) -> Callable:
+    from .load_modes import log_weight_cache_refusal, weight_cache_mode
     from .log import log_once
     from .moe import BACKEND_NAME, BACKEND_NAMES, Sm120NvFp4Experts
 
@@ -470,6 +525,9 @@ def _moe_select(fmt: str, original: Callable) -> Callable:
     def select_nvfp4_moe_backend(config, weight_key, activation_key):
         acts = "W4A16" if activation_key is None else "W4A4"
         why = Sm120NvFp4Experts.refusal(config, weight_key, activation_key)
+        if why is None and (mode := weight_cache_mode()) is not None:
+            log_weight_cache_refusal(f"NVFP4 MoE layers ({fmt} {acts})", mode, "automatic MoE backend choice")
+            return vllm_choice(config, weight_key, activation_key)
         if why is None:
             how = "named" if config.moe_backend in BACKEND_NAMES else "auto"
             log_once("info", (fmt, acts, how),
@@ -482,12 +540,17 @@ def _moe_select(fmt: str, original: Callable) -> Callable:
         log_once("warning", (fmt, acts, why),
                  "nvfp4_sm120: --moe-backend %s cannot take %s %s MoE layers (%s); using vLLM's automatic choice",
                  BACKEND_NAME, fmt, acts, why)
+        return vllm_choice(config, weight_key, activation_key)
+
+    def vllm_choice(config, weight_key, activation_key):
+        if config.moe_backend not in BACKEND_NAMES:
+            return original(config, weight_key, activation_key)
         # vLLM does not know our name: run its automatic selection for this layer.
-        config.moe_backend = "auto"
+        saved, config.moe_backend = config.moe_backend, "auto"
         try:
             return original(config, weight_key, activation_key)
         finally:
-            config.moe_backend = BACKEND_NAME
+            config.moe_backend = saved
 
     return select_nvfp4_moe_backend
 
