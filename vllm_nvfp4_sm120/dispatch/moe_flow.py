@@ -35,8 +35,8 @@ from ..kernels.moe_w4a4 import moe_quant_input
 from . import policy
 from .hw import capability_of
 from .linear import act_quant_config
-from .moe import DecodeDown, Impl, MoeKernel, MoePlan, select_moe_plan
 from .linear_call import MAX_ENTRIES, SELECTOR_ENV
+from .moe import DecodeDown, Impl, MoeKernel, MoePlan, select_moe_plan
 from .policy import current_policy
 from .registry import MOE_KERNELS
 
