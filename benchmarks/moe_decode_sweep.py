@@ -69,6 +69,25 @@ GATE_UP = {
                                        split_k=2),
     "gu-n16k256-w2-tma-s4": DecodeTile(16, 256, 16, num_warps=2, num_stages=4, use_dot=True, use_tma=True,
                                        split_k=4),
+    # Fewer stages / a narrower K step: less shared memory per program, so more programs (hence more decode warps)
+    # per SM at small T, where the 3-4 stage tiles above hold 8-10 warps per SM.
+    "gu-n16k256-w2-tma-st2": DecodeTile(16, 256, 16, num_warps=2, num_stages=2, use_dot=True, use_tma=True),
+    "gu-n16k256-w2-tma-st3": DecodeTile(16, 256, 16, num_warps=2, num_stages=3, use_dot=True, use_tma=True),
+    "gu-n8k256-w1-tma-st2": DecodeTile(8, 256, 16, num_warps=1, num_stages=2, use_dot=True, use_tma=True),
+    "gu-n16k128-w2-st3": DecodeTile(16, 128, 16, num_warps=2, num_stages=3, use_dot=True),
+    "gu-n32k256-w4-tma-st2": DecodeTile(32, 256, 16, num_warps=4, num_stages=2, use_dot=True, use_tma=True),
+    "gu-n16k128-w2-st2": DecodeTile(16, 128, 16, num_warps=2, num_stages=2, use_dot=True),
+    "gu-n32k128-w4-st3": DecodeTile(32, 128, 16, num_warps=4, num_stages=3, use_dot=True),
+    "gu-n8k128-w1-st3": DecodeTile(8, 128, 16, num_warps=1, num_stages=3, use_dot=True),
+    # More stages of the narrow K step: at T <= 4 on the small layers each SM holds two or three programs, so the
+    # bytes in flight per program bound the read rate.
+    "gu-n16k128-w2-st4": DecodeTile(16, 128, 16, num_warps=2, num_stages=4, use_dot=True),
+    "gu-n16k128-w2-st6": DecodeTile(16, 128, 16, num_warps=2, num_stages=6, use_dot=True),
+    "gu-n16k64-w2-st6": DecodeTile(16, 64, 16, num_warps=2, num_stages=6, use_dot=True),
+    "gu-n16k128-w2-st6-s2": DecodeTile(16, 128, 16, num_warps=2, num_stages=6, use_dot=True, split_k=2),
+    # Split-K on the small-shared-memory tile: at T = 1-4 the grid alone holds ~6 warps per SM.
+    "gu-n16k128-w2-st3-s2": DecodeTile(16, 128, 16, num_warps=2, num_stages=3, use_dot=True, split_k=2),
+    "gu-n16k128-w2-st3-s4": DecodeTile(16, 128, 16, num_warps=2, num_stages=3, use_dot=True, split_k=4),
 }
 DOWN = {  # name: (kernel, deterministic, tile)
     "tok-n16k256-w1": ("token", False, DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True)),
@@ -83,6 +102,20 @@ DOWN = {  # name: (kernel, deterministic, tile)
                                                            use_tma=True, pdl=True)),
     "exp-n32k256-w2-tma": ("expert", False, DecodeTile(32, 256, 16, num_warps=2, num_stages=4, use_dot=True,
                                                        use_tma=True)),
+    "exp-n32k256-w2-tma-st2": ("expert", False, DecodeTile(32, 256, 16, num_warps=2, num_stages=2, use_dot=True,
+                                                           use_tma=True)),
+    "exp-n16k256-w1-tma-st2": ("expert", False, DecodeTile(16, 256, 16, num_warps=1, num_stages=2, use_dot=True,
+                                                           use_tma=True)),
+    "exp-n32k128-w2-st3": ("expert", False, DecodeTile(32, 128, 16, num_warps=2, num_stages=3, use_dot=True)),
+    "exp-n32k128-w2-st4": ("expert", False, DecodeTile(32, 128, 16, num_warps=2, num_stages=4, use_dot=True)),
+    "exp-n32k128-w2-st6": ("expert", False, DecodeTile(32, 128, 16, num_warps=2, num_stages=6, use_dot=True)),
+    "exp-n32k256-w2-tma-st3": ("expert", False, DecodeTile(32, 256, 16, num_warps=2, num_stages=3, use_dot=True,
+                                                           use_tma=True)),
+    "exp-n32k256-w2-st2": ("expert", False, DecodeTile(32, 256, 16, num_warps=2, num_stages=2, use_dot=True)),
+    "exp-n16k128-w1-st3": ("expert", False, DecodeTile(16, 128, 16, num_warps=1, num_stages=3, use_dot=True)),
+    "exp-n32k256-w2-tma-st2-det": ("expert", True, DecodeTile(32, 256, 16, num_warps=2, num_stages=2, use_dot=True,
+                                                               use_tma=True)),
+    "tok-n16k128-w1-st3": ("token", False, DecodeTile(16, 128, 16, num_warps=1, num_stages=3, use_dot=True)),
     "exp-n32k256-w2": ("expert", False, DecodeTile(32, 256, 16, num_warps=2, num_stages=4, use_dot=True)),
     "exp-n32k256-w2-tma-det": ("expert", True, DecodeTile(32, 256, 16, num_warps=2, num_stages=4, use_dot=True,
                                                           use_tma=True)),

@@ -197,11 +197,11 @@ H200_SHAPES = {  # name: (H, I, E, top_k)
 
 
 def _decode_plans():
-    """Every decode gate_up tile and both down kernels, with and without TMA (the interpreter is slow: one case
-    each; the kernels' own tests cover the rest)."""
+    """Every decode gate_up tile and both down kernels, the expert-major one with and without TMA (the interpreter
+    is slow: one case each; the kernels' own tests cover the rest)."""
     cases = {  # id: (T, H, I) as decode_tier_plan reads them
-        "row0-expert-tma": (1, 4096, 4096), "row1-token-tma": (8, 4096, 512), "row2-expert-tma": (32, 4096, 4096),
-        "row0-token-nontma": (4, 4112, 496), "row1-expert-nontma": (8, 4112, 4112),
+        "t1-expert-tma": (1, 4096, 4096), "t8-token": (8, 4096, 512), "t32-expert-tma": (32, 4096, 4096),
+        "t8-token-odd": (8, 4112, 496), "t4-expert-nontma": (4, 4112, 4112),
     }
     out = []
     for name, (t, h, i) in cases.items():
@@ -221,9 +221,11 @@ def _decode_shape(plan):
 
 
 def test_decode_plans_cover_both_down_kernels_and_tma():
-    assert {p.values[0].gate_up.block_k for p in DECODE_PLANS} == {256, 512}
-    kinds = {(p.values[0].decode_down, p.values[0].gate_up.use_tma, p.values[0].down.use_tma) for p in DECODE_PLANS}
-    assert {k[0] for k in kinds} == {"expert", "token"} and {k[1] for k in kinds} == {False, True}
+    from vllm_nvfp4_sm120.dispatch.moe import DECODE_GATE_UP_TILES
+
+    assert {p.values[0].gate_up for p in DECODE_PLANS} == set(DECODE_GATE_UP_TILES.values())
+    kinds = {(p.values[0].decode_down, p.values[0].down.use_tma) for p in DECODE_PLANS}
+    assert kinds == {("expert", True), ("expert", False), ("token", False)}
     assert all(p.values[0].kernel == "w4a16" and p.values[0].block_m == 0 for p in DECODE_PLANS)
 
 
@@ -310,21 +312,24 @@ def test_dispatch_decode_rows():
             for t in (1, 2, 4, 8, 16, 32):
                 h, i, e, k = H200_SHAPES[name]
                 if t > M.DECODE_WIDE_MAX_TOKENS and t * k / e >= M.DECODE_LATE_MAX_ROUTES_PER_EXPERT:
-                    assert plan(t, name, cap).impl != "decode", (cap, name, t)  # slower there (device run 20)
+                    assert plan(t, name, cap).impl != "decode", (cap, name, t)
                     continue
                 for w4a4 in (False, True):  # weight-only for W4A4 checkpoints too
                     p = plan(t, name, cap, w4a4)
                     assert (p.impl, p.kernel, p.block_m) == ("decode", "w4a16", 0), (cap, name, t, w4a4)
-                    assert p.gate_up.use_tma and p.down.use_tma == (p.decode_down == "expert")
+                    # gate_up by pointer loads (the narrow K step); the expert-major down by TMA.
+                    assert not p.gate_up.use_tma and p.down.use_tma == (p.decode_down == "expert")
             assert plan(64, name, cap).impl != "decode"  # slower than the tiers there (H200 run 17)
     names = {t: next(n for n, tile in M.DECODE_GATE_UP_TILES.items() if tile == plan(t, "deepseek-v3").gate_up)
              for t in (1, 4, 8, 32)}
-    assert names == {1: "gu-n16k512-w2-tma", 4: "gu-n16k512-w2-tma", 8: "gu-n32k256-w4-tma", 32: "gu-n16k256-w2-tma"}
+    assert names == {t: "gu-n16k128-w2-st3" for t in (1, 4, 8, 32)}
     assert all(plan(t, "deepseek-v3").decode_down == "expert" for t in (1, 4, 32))
-    assert plan(32).impl != "decode" and plan(16).impl == "decode"  # Qwen3-30B-A3B: 2 routes per expert at T = 32
-    assert [plan(t, "qwen3-next-80b").decode_down for t in (1, 2, 4, 32)] == ["expert", "expert", "token", "token"]
+    # Qwen3-30B-A3B at T = 32 (2 routes per expert) is the decode plan's; 4 routes per expert are the tiers'.
+    assert plan(32).impl == "decode" and plan(16).impl == "decode"
+    assert plan(32, global_experts=64).impl != "decode"
+    assert [plan(t, "qwen3-next-80b").decode_down for t in (1, 4, 8, 32)] == ["expert", "expert", "token", "token"]
     assert plan(1).down == M.DECODE_DOWN_TILES["expert"]
-    assert plan(4, "qwen3-next-80b").down == M.DECODE_DOWN_TILES["token"]
+    assert plan(8, "qwen3-next-80b").down == M.DECODE_DOWN_TILES["token"]
     # Not decode: no rows for the GPU, 4+ routes per expert, K not TMA-readable, more routes than one id vector.
     for cap in (NO_GPU, Capability(80), Capability(100)):
         assert plan(1, cap=cap).impl != "decode"
@@ -341,7 +346,7 @@ def test_dispatch_decode_rows():
 def test_decode_plan_kwargs_bind():
     from vllm_nvfp4_sm120.dispatch.registry import MOE_KERNELS
 
-    p = decode_tier_plan(SM120, 4, hidden=2048, intermediate=512)
+    p = decode_tier_plan(SM120, 8, hidden=2048, intermediate=512)  # the token-major down
     gate_up, down = MOE_KERNELS[p.kernel, p.impl]
     assert p.gate_up_kwargs() == {"tile": p.gate_up} and p.down_kwargs() == {"tile": p.down, "by_expert": False}
     assert gate_up.__name__ == "moe_decode_gate_up"

@@ -199,41 +199,39 @@ GLUON_EPILOGUE_WARPS = 4
 
 # ---- decode: the align-free kernels (kernels/moe_decode.py) -------------------------------------------------------
 # The sweep candidates of benchmarks/moe_decode_sweep.py that won on the H200 (docs/benchmarks.md, "MoE decode
-# path", device run 17: every candidate exact against moe_ref; CUDA graphs, weights beyond L2, medians).
+# path"; device runs 17 and 22-24: every candidate exact against moe_ref; CUDA graphs, weights beyond L2, medians).
+# Runs 22-24 found the narrow K step best: a 128-wide step and 3 stages (pointer loads) for gate_up, 2 stages for
+# the down kernels, i.e. a third to a quarter of the shared memory of the run-17 tiles, so more programs share an
+# SM.  More stages, split K (2, 4) or one-warp programs were slower at every point.
 DECODE_GATE_UP_TILES = {
-    "gu-n16k512-w2-tma": DecodeTile(16, 512, 16, num_warps=2, num_stages=3, use_dot=True, use_tma=True),
-    "gu-n32k256-w4-tma": DecodeTile(32, 256, 16, num_warps=4, num_stages=4, use_dot=True, use_tma=True),
-    "gu-n16k256-w2-tma": DecodeTile(16, 256, 16, num_warps=2, num_stages=4, use_dot=True, use_tma=True),
+    "gu-n16k128-w2-st3": DecodeTile(16, 128, 16, num_warps=2, num_stages=3, use_dot=True),
 }
 DECODE_DOWN_TILES = {
-    DecodeDown.EXPERT: DecodeTile(32, 256, 16, num_warps=2, num_stages=4, use_dot=True, use_tma=True),
-    DecodeDown.TOKEN: DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True),
+    DecodeDown.EXPERT: DecodeTile(32, 256, 16, num_warps=2, num_stages=2, use_dot=True, use_tma=True),
+    DecodeDown.TOKEN: DecodeTile(16, 128, 16, num_warps=1, num_stages=3, use_dot=True),
 }
-# The largest T the table gives the decode plan: in the layer flow (bench moe_decode, H200 device run 20) faster
-# than today's path at every T <= 16 on the four measured shapes (1.00-2.05x), slower at T = 64 on two of them
-# (Qwen3-30B-A3B 0.86x, Qwen3-Next-80B 0.96x), so T = 64 stays on the tiers.
+# The largest T the table gives the decode plan.  With the run-17 tiles it was slower than the tiers at T = 64 on
+# two shapes (Qwen3-30B-A3B 0.86x, Qwen3-Next-80B 0.96x, device run 20), so T = 64 stays on the tiers.
 DECODE_MAX_TOKENS = 32
-# Above this T the decode plan serves only below DECODE_LATE_MAX_ROUTES_PER_EXPERT routes per expert: at T = 32
-# it was 0.98x today's path on Qwen3-30B-A3B (2 routes per expert), 1.05x on Qwen3-235B-A22B (2), 1.05x on
-# DeepSeek-V3 (1) and 1.08x on Qwen3-Next-80B (0.63); the rule keeps the slower point on the tiers and gives up the
-# 5 % of the 235B one rather than fit a rule to four points.
+# Above this T the decode plan serves only below DECODE_LATE_MAX_ROUTES_PER_EXPERT routes per expert.  With the
+# run-17 tiles, T = 32 at 2 routes per expert was 0.98x the tiers (Qwen3-30B-A3B); with the narrow-K tiles the sum
+# of the two kernels at T = 32 is 1.14-1.21x faster than the tiers' layer on the three shapes of run 24
+# (Qwen3-30B-A3B at 2 routes per expert included), so the limit is the plan's own (fewer than 4 routes per expert).
 DECODE_WIDE_MAX_TOKENS = 16
-DECODE_LATE_MAX_ROUTES_PER_EXPERT = 2
-# The token-major down kernel from this T on where I <= DECODE_TOKEN_DOWN_MAX_I (measured: Qwen3-Next-80B, I = 512,
-# T = 4-32: tok-n16k256-w1 in the best pair of every point; the one shape measured with I <= 512).  Likely why: its
-# down GEMM is two K steps per route and with 512 experts few routes share one, so the expert-major dedupe saves
-# little against its atomics and tile counting.
-DECODE_TOKEN_DOWN_MIN_T = 4
+DECODE_LATE_MAX_ROUTES_PER_EXPERT = W4A4_MIN_TOKENS_PER_EXPERT
+# The token-major down kernel from this T on where I <= DECODE_TOKEN_DOWN_MAX_I (measured: Qwen3-Next-80B, I = 512:
+# tok-n16k128-w1-st3 best at T = 8-32 by 1.2-1.8x in runs 23-24; at T = 4 within 3 % of the expert-major tile,
+# which is kept there).  Likely why: its down GEMM is two K steps per route and with 512 experts few routes share
+# one, so the expert-major dedupe saves little against its atomics and tile counting.
+DECODE_TOKEN_DOWN_MIN_T = 8
 DECODE_TOKEN_DOWN_MAX_I = 512
 
-# (max T, gate_up tile, why).  The down kernel: expert-major (exp-n32k256-w2-tma; with ``deterministic`` the same
-# tile's per-route rows summed in slot order) except the token-major rule above.
+# (max T, gate_up tile, why).  The down kernel: expert-major (exp-n32k256-w2-tma-st2; with ``deterministic`` the
+# same tile's per-route rows summed in slot order) except the token-major rule above.
 _H200_ROWS = (
-    (4, "gu-n16k512-w2-tma", "H200 run 17: in the best pair at T 1-4 on every shape but Qwen3-Next T = 2 (8-40 "
-                             "routes: few programs, long K steps keep more bytes in flight per program)"),
-    (16, "gu-n32k256-w4-tma", "H200 run 17: in the best pair at T 8-16 on every shape but Qwen3-235B T = 8"),
-    (DECODE_MAX_TOKENS, "gu-n16k256-w2-tma", "H200 run 17: in the best pair at T = 32 on three of four shapes "
-                                             "(DeepSeek-V3: gu-n32k256-w4-tma) and at T = 64 on all"),
+    (DECODE_MAX_TOKENS, "gu-n16k128-w2-st3",
+     "H200 runs 22-24: the fastest gate_up at every T in 1-32 on the four shapes, or within 2 % of the 4-stage "
+     "variant (DeepSeek-V3); 1.02-1.09x the run-17 tiles at T = 1, 1.1-1.2x at T 2-16"),
 )
 _DECODE_ROWS = {
     Family.SM90: _H200_ROWS,
