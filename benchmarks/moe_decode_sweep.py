@@ -85,6 +85,11 @@ GATE_UP = {
     "gu-n16k128-w2-st6": DecodeTile(16, 128, 16, num_warps=2, num_stages=6, use_dot=True),
     "gu-n16k64-w2-st6": DecodeTile(16, 64, 16, num_warps=2, num_stages=6, use_dot=True),
     "gu-n16k128-w2-st6-s2": DecodeTile(16, 128, 16, num_warps=2, num_stages=6, use_dot=True, split_k=2),
+    # The shift decode (fewer integer instructions per code word; the activations permuted in registers, a cost
+    # shared by the rows of a warp: 16 or 32 rows per warp).
+    "gu-n16k128-w2-st3-shift": DecodeTile(16, 128, 16, num_warps=2, num_stages=3, use_dot=True, shift_decode=True),
+    "gu-n32k128-w2-st3": DecodeTile(32, 128, 16, num_warps=2, num_stages=3, use_dot=True),
+    "gu-n32k128-w2-st3-shift": DecodeTile(32, 128, 16, num_warps=2, num_stages=3, use_dot=True, shift_decode=True),
     # Split-K on the small-shared-memory tile: at T = 1-4 the grid alone holds ~6 warps per SM.
     "gu-n16k128-w2-st3-s2": DecodeTile(16, 128, 16, num_warps=2, num_stages=3, use_dot=True, split_k=2),
     "gu-n16k128-w2-st3-s4": DecodeTile(16, 128, 16, num_warps=2, num_stages=3, use_dot=True, split_k=4),
@@ -111,6 +116,16 @@ DOWN = {  # name: (kernel, deterministic, tile)
     "exp-n32k128-w2-st6": ("expert", False, DecodeTile(32, 128, 16, num_warps=2, num_stages=6, use_dot=True)),
     "exp-n32k256-w2-tma-st3": ("expert", False, DecodeTile(32, 256, 16, num_warps=2, num_stages=3, use_dot=True,
                                                            use_tma=True)),
+    "exp-n32k256-w2-tma-st2-shift": ("expert", False, DecodeTile(32, 256, 16, num_warps=2, num_stages=2, use_dot=True,
+                                                                 use_tma=True, shift_decode=True)),
+    "exp-n64k256-w2-tma-st2": ("expert", False, DecodeTile(64, 256, 16, num_warps=2, num_stages=2, use_dot=True,
+                                                           use_tma=True)),
+    "exp-n64k256-w2-tma-st2-shift": ("expert", False, DecodeTile(64, 256, 16, num_warps=2, num_stages=2, use_dot=True,
+                                                                 use_tma=True, shift_decode=True)),
+    "tok-n16k128-w1-st3-shift": ("token", False, DecodeTile(16, 128, 16, num_warps=1, num_stages=3, use_dot=True,
+                                                            shift_decode=True)),
+    "tok-n32k128-w1-st3-shift": ("token", False, DecodeTile(32, 128, 16, num_warps=1, num_stages=3, use_dot=True,
+                                                            shift_decode=True)),
     "exp-n32k256-w2-st2": ("expert", False, DecodeTile(32, 256, 16, num_warps=2, num_stages=2, use_dot=True)),
     "exp-n16k128-w1-st3": ("expert", False, DecodeTile(16, 128, 16, num_warps=1, num_stages=3, use_dot=True)),
     "exp-n32k256-w2-tma-st2-det": ("expert", True, DecodeTile(32, 256, 16, num_warps=2, num_stages=2, use_dot=True,

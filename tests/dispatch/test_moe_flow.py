@@ -319,17 +319,20 @@ def test_dispatch_decode_rows():
                     assert (p.impl, p.kernel, p.block_m) == ("decode", "w4a16", 0), (cap, name, t, w4a4)
                     # gate_up by pointer loads (the narrow K step); the expert-major down by TMA.
                     assert not p.gate_up.use_tma and p.down.use_tma == (p.decode_down == "expert")
+                    assert p.gate_up.shift_decode == (t > 2) and p.down.shift_decode == (t > 2)
             assert plan(64, name, cap).impl != "decode"  # slower than the tiers there (H200 run 17)
     names = {t: next(n for n, tile in M.DECODE_GATE_UP_TILES.items() if tile == plan(t, "deepseek-v3").gate_up)
              for t in (1, 4, 8, 32)}
-    assert names == {t: "gu-n16k128-w2-st3" for t in (1, 4, 8, 32)}
+    assert names == {1: "gu-n16k128-w2-st3", 4: "gu-n32k128-w2-st3-shift", 8: "gu-n32k128-w2-st3-shift",
+                     32: "gu-n32k128-w2-st3-shift"}
     assert all(plan(t, "deepseek-v3").decode_down == "expert" for t in (1, 4, 32))
     # Qwen3-30B-A3B at T = 32 (2 routes per expert) is the decode plan's; 4 routes per expert are the tiers'.
     assert plan(32).impl == "decode" and plan(16).impl == "decode"
     assert plan(32, global_experts=64).impl != "decode"
     assert [plan(t, "qwen3-next-80b").decode_down for t in (1, 4, 8, 32)] == ["expert", "expert", "token", "token"]
-    assert plan(1).down == M.DECODE_DOWN_TILES["expert"]
-    assert plan(8, "qwen3-next-80b").down == M.DECODE_DOWN_TILES["token"]
+    assert plan(1).down == M.DECODE_DOWN_TILES["exp-n32k256-w2-tma-st2"]
+    assert plan(4).down == M.DECODE_DOWN_TILES["exp-n64k256-w2-tma-st2-shift"]
+    assert plan(8, "qwen3-next-80b").down == M.DECODE_DOWN_TILES[M.DECODE_TOKEN_DOWN_TILE]
     # Not decode: no rows for the GPU, 4+ routes per expert, K not TMA-readable, more routes than one id vector.
     for cap in (NO_GPU, Capability(80), Capability(100)):
         assert plan(1, cap=cap).impl != "decode"

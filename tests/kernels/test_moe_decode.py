@@ -394,12 +394,19 @@ def test_gpu_layer(name, t, down):
     assert_moe_close(_run(p, gate, dtile, kind, det), ref)
 
 
+def _every_candidate():
+    """Each gate_up candidate with the sweep's check down tile, each down candidate with its check gate_up tile (as
+    the sweep checks them: a wrong kernel fails whichever partner it has)."""
+    pairs = [(g, SWEEP.CHECK_DOWN) for g in SWEEP.GATE_UP]
+    return pairs + [(SWEEP.CHECK_GATE_UP, d) for d in SWEEP.DOWN if d != SWEEP.CHECK_DOWN]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("gate_name", list(SWEEP.GATE_UP))
-@pytest.mark.parametrize("down_name", list(SWEEP.DOWN))
+@pytest.mark.parametrize("gate_name,down_name", _every_candidate(), ids=lambda v: v)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name,t", [("qwen3-30b-a3b", 4), ("qwen3-next-80b", 64)])
-def test_gpu_every_sweep_candidate(name, t, gate_name, down_name):
-    _, _, p, ref = _gpu_problem_and_ref(name, t)
+def test_gpu_every_sweep_candidate(name, t, dtype, gate_name, down_name):
+    _, _, p, ref = _gpu_problem_and_ref(name, t, dtype=dtype)
     gate = SWEEP.GATE_UP[gate_name]
     kind, det, dtile = SWEEP.DOWN[down_name]
     assert_moe_close(_run(p, gate, dtile, kind, det), ref)

@@ -199,44 +199,51 @@ GLUON_EPILOGUE_WARPS = 4
 
 # ---- decode: the align-free kernels (kernels/moe_decode.py) -------------------------------------------------------
 # The sweep candidates of benchmarks/moe_decode_sweep.py that won on the H200 (docs/benchmarks.md, "MoE decode
-# path"; device runs 17 and 22-24: every candidate exact against moe_ref; CUDA graphs, weights beyond L2, medians).
-# Runs 22-24 found the narrow K step best: a 128-wide step and 3 stages (pointer loads) for gate_up, 2 stages for
-# the down kernels, i.e. a third to a quarter of the shared memory of the run-17 tiles, so more programs share an
-# SM.  More stages, split K (2, 4) or one-warp programs were slower at every point.
+# path"; device runs 17 and 22-25: every candidate exact against moe_ref; CUDA graphs, weights beyond L2, medians).
+# Runs 22-24 found the narrow K step best (a third to a quarter of the shared memory of the run-17 tiles, so more
+# programs share an SM; more stages, split K and one-warp programs were slower at every point); run 25 the shift
+# decode with 32 weight rows per warp from T = 4 (its activation permutation is shared by more rows).
 DECODE_GATE_UP_TILES = {
     "gu-n16k128-w2-st3": DecodeTile(16, 128, 16, num_warps=2, num_stages=3, use_dot=True),
+    "gu-n32k128-w2-st3-shift": DecodeTile(32, 128, 16, num_warps=2, num_stages=3, use_dot=True, shift_decode=True),
 }
 DECODE_DOWN_TILES = {
-    DecodeDown.EXPERT: DecodeTile(32, 256, 16, num_warps=2, num_stages=2, use_dot=True, use_tma=True),
-    DecodeDown.TOKEN: DecodeTile(16, 128, 16, num_warps=1, num_stages=3, use_dot=True),
+    "exp-n32k256-w2-tma-st2": DecodeTile(32, 256, 16, num_warps=2, num_stages=2, use_dot=True, use_tma=True),
+    "exp-n64k256-w2-tma-st2-shift": DecodeTile(64, 256, 16, num_warps=2, num_stages=2, use_dot=True, use_tma=True,
+                                               shift_decode=True),
+    "tok-n32k128-w1-st3-shift": DecodeTile(32, 128, 16, num_warps=1, num_stages=3, use_dot=True, shift_decode=True),
 }
 # The largest T the table gives the decode plan.  With the run-17 tiles it was slower than the tiers at T = 64 on
 # two shapes (Qwen3-30B-A3B 0.86x, Qwen3-Next-80B 0.96x, device run 20), so T = 64 stays on the tiers.
 DECODE_MAX_TOKENS = 32
 # Above this T the decode plan serves only below DECODE_LATE_MAX_ROUTES_PER_EXPERT routes per expert.  With the
-# run-17 tiles, T = 32 at 2 routes per expert was 0.98x the tiers (Qwen3-30B-A3B); with the narrow-K tiles the sum
-# of the two kernels at T = 32 is 1.14-1.21x faster than the tiers' layer on the three shapes of run 24
-# (Qwen3-30B-A3B at 2 routes per expert included), so the limit is the plan's own (fewer than 4 routes per expert).
+# run-17 tiles, T = 32 at 2 routes per expert was 0.98x the tiers (Qwen3-30B-A3B); with the tiles below the sum of
+# the two kernels at T = 32 is 1.14-1.26x faster than the layer on the run-24 tiles, itself faster than the tiers
+# there (run 24), so the limit is the plan's own (fewer than 4 routes per expert).
 DECODE_WIDE_MAX_TOKENS = 16
 DECODE_LATE_MAX_ROUTES_PER_EXPERT = W4A4_MIN_TOKENS_PER_EXPERT
 # The token-major down kernel from this T on where I <= DECODE_TOKEN_DOWN_MAX_I (measured: Qwen3-Next-80B, I = 512:
-# tok-n16k128-w1-st3 best at T = 8-32 by 1.2-1.8x in runs 23-24; at T = 4 within 3 % of the expert-major tile,
-# which is kept there).  Likely why: its down GEMM is two K steps per route and with 512 experts few routes share
-# one, so the expert-major dedupe saves little against its atomics and tile counting.
+# the token-major tile best at T = 8-32 by 1.2-1.8x in runs 23-25; at T = 4 the expert-major one).  Likely why: its
+# down GEMM is two K steps per route and with 512 experts few routes share one, so the expert-major dedupe saves
+# little against its atomics and tile counting.
 DECODE_TOKEN_DOWN_MIN_T = 8
 DECODE_TOKEN_DOWN_MAX_I = 512
+DECODE_TOKEN_DOWN_TILE = "tok-n32k128-w1-st3-shift"
 
-# (max T, gate_up tile, why).  The down kernel: expert-major (exp-n32k256-w2-tma-st2; with ``deterministic`` the
-# same tile's per-route rows summed in slot order) except the token-major rule above.
+# (max T, gate_up tile, expert-major down tile, why); with ``deterministic`` the down tile's per-route rows are
+# summed in slot order; the token-major rule above overrides the down tile.
 _H200_ROWS = (
-    (DECODE_MAX_TOKENS, "gu-n16k128-w2-st3",
-     "H200 runs 22-24: the fastest gate_up at every T in 1-32 on the four shapes, or within 2 % of the 4-stage "
-     "variant (DeepSeek-V3); 1.02-1.09x the run-17 tiles at T = 1, 1.1-1.2x at T 2-16"),
+    (2, "gu-n16k128-w2-st3", "exp-n32k256-w2-tma-st2",
+     "H200 runs 23-25: fastest or within 3 % at T = 1-2 on the four shapes (the shift decode's 32-row tiles lose "
+     "at T = 1: too few programs)"),
+    (DECODE_MAX_TOKENS, "gu-n32k128-w2-st3-shift", "exp-n64k256-w2-tma-st2-shift",
+     "H200 run 25: fastest at T = 4, 16, 32 on the four shapes (gate_up 1.04-1.19x, down 1.1-1.3x the T <= 2 "
+     "tiles); T = 3 and 5-15 between measured points"),
 )
 _DECODE_ROWS = {
     Family.SM90: _H200_ROWS,
     # No sm_120 measurement yet: the sm_90 one (every tile compile-checked for sm_120: no local memory, <= 99 KB).
-    Family.SM120: tuple((t, name, why + "; the sm_90 measurement until an sm_120 run") for t, name, why in _H200_ROWS),
+    Family.SM120: tuple(row[:-1] + (row[-1] + "; the sm_90 measurement until an sm_120 run",) for row in _H200_ROWS),
 }
 DECODE_FAMILIES = tuple(_DECODE_ROWS)
 
@@ -248,10 +255,12 @@ def decode_tier_plan(cap: Capability, num_tokens: int, *, hidden: int, intermedi
     rows = _DECODE_ROWS.get(cap.family)
     if rows is None:
         return None
-    i, (_, name, _) = next(((i, r) for i, r in enumerate(rows) if num_tokens <= r[0]), (len(rows) - 1, rows[-1]))
+    i, (_, name, down_name, _) = next(((i, r) for i, r in enumerate(rows) if num_tokens <= r[0]),
+                                      (len(rows) - 1, rows[-1]))
     token = num_tokens >= DECODE_TOKEN_DOWN_MIN_T and intermediate <= DECODE_TOKEN_DOWN_MAX_I
     kind = DecodeDown.TOKEN if token else DecodeDown.EXPERT
-    gate_up, down = DECODE_GATE_UP_TILES[name], DECODE_DOWN_TILES[kind]
+    gate_up = DECODE_GATE_UP_TILES[name]
+    down = DECODE_DOWN_TILES[DECODE_TOKEN_DOWN_TILE if token else down_name]
     tma = tma_ok(hidden), tma_ok(intermediate)
     if not tma[0]:  # pointer loads: a 512-wide K step with its pipeline spills on sm_120 (compile-checked)
         gate_up = replace(gate_up, use_tma=False, block_k=min(gate_up.block_k, 256))
@@ -421,7 +430,7 @@ def all_moe_plans(cap: Capability) -> list[MoePlan]:
                         if gluon is not None and gluon not in plans:
                             plans.append(gluon)
     # Decode: every row, on both down kernels (the token-major rule and determinism), with and without TMA.
-    for t in sorted({r[0] for r in _DECODE_ROWS.get(cap.family, ())}):
+    for t in sorted({r[0] for r in _DECODE_ROWS.get(cap.family, ())}):  # each row's largest T
         for inter in (4096, DECODE_TOKEN_DOWN_MAX_I, 4096 + 16, DECODE_TOKEN_DOWN_MAX_I - 16):
             for hidden in (4096, 4096 + 16):
                 for tt in {t, max(t, DECODE_TOKEN_DOWN_MIN_T)}:

@@ -168,3 +168,37 @@ def dequant_rows_16bit(codes, sf, ROWS: tl.constexpr, COLS: tl.constexpr, DTYPE:
     lo, hi = e2m1x2_to_16bit(codes.reshape(ROWS, COLS // 16, 8), DTYPE, FAST)
     s = e4m3_to_16bit(sf, DTYPE, FAST)[:, :, None]
     return tl.join(lo * s, hi * s).reshape(ROWS, COLS)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The shift decode (inline PTX bodies: one 32-bit code word in $4 -> four 16-bit pairs in d0..d3, scratch q)
+# ---------------------------------------------------------------------------------------------------------------
+# Fewer integer instructions than the lop3/prmt table (13 per word for bf16 instead of 22) at the price of the pair
+# order: register j holds elements j and j + 4 of the word, so the other MMA operand is permuted to match.
+# bf16: the magnitude bits (e1 e0 m) of nibble i go to bits 8..6 of a 16-bit half and its sign to bit 15; the
+# half is then the e2m1 value times 2^-126 (exponent field e, mantissa m/2; e = 0 gives the bf16 subnormal m/2 *
+# 2^-126).  Register j takes nibbles j (low half) and j + 4 (high half).  A nibble masked out of the word and
+# multiplied by 2^a + 2^b lands as two copies 6 bits apart (no carries: the copies do not overlap), one supplying
+# the magnitude and one the sign, and a final mask keeps those bits.  Nibbles 2, 3, 6, 7 are first moved down a
+# byte (mul.hi by 2^24: a right shift on the multiplier pipe).
+SHIFT_BF16_BODY = (
+    "mul.hi.u32 q, $4, 0x1000000; "
+    "and.b32 d0, $4, 0x000F000F; and.b32 d1, $4, 0x00F000F0; "
+    "and.b32 d2, q, 0x000F000F; and.b32 d3, q, 0x00F000F0; "
+    "mul.lo.u32 d0, d0, 0x1040; mul.lo.u32 d1, d1, 0x104; "
+    "mul.lo.u32 d2, d2, 0x1040; mul.lo.u32 d3, d3, 0x104; "
+    "and.b32 d0, d0, 0x81C081C0; and.b32 d1, d1, 0x81C081C0; "
+    "and.b32 d2, d2, 0x81C081C0; and.b32 d3, d3, 0x81C081C0; "
+)
+# fp16: magnitude to bits 11..9 (value times 2^-14) and sign to 15.  The two are 3 bits apart, closer than a
+# nibble, so they are masked separately and added (disjoint bits); nibble 3's magnitude moves down (mul.hi).
+SHIFT_F16_BODY = (
+    "and.b32 d0, $4, 0x00070007; and.b32 q, $4, 0x00080008; mul.lo.u32 q, q, 4096; mad.lo.u32 d0, d0, 512, q; "
+    "and.b32 d1, $4, 0x00700070; and.b32 q, $4, 0x00800080; mul.lo.u32 q, q, 256; mad.lo.u32 d1, d1, 32, q; "
+    "and.b32 d2, $4, 0x07000700; and.b32 q, $4, 0x08000800; mul.lo.u32 q, q, 16; mad.lo.u32 d2, d2, 2, q; "
+    "and.b32 d3, $4, 0x70007000; and.b32 q, $4, 0x80008000; mad.hi.u32 d3, d3, 0x20000000, q; "
+)
+# The shift decode's power of two: the MMA sees e2m1 * e4m3 * 2^-SHIFT_EXP (the scale carries 2^(126 - 7) for
+# bf16 and 2^(14 - 7) for fp16, both exact), the epilogue multiplies by 2^SHIFT_EXP.
+SHIFT_EXP = 7
+SHIFT_SCALE = {"bf16": 2.0 ** (126 - SHIFT_EXP), "f16": 2.0 ** (14 - SHIFT_EXP)}

@@ -58,6 +58,7 @@ import torch
 import triton
 
 from .gluon_compat import HAS_GLUON, ampere, gl, gluon, require_gluon
+from .fp4_decode import SHIFT_BF16_BODY, SHIFT_EXP, SHIFT_F16_BODY, SHIFT_SCALE  # noqa: F401 (re-exported)
 from .gluon_common import DECODE_CVT, DECODE_PORTABLE, E2M1_ASM, default_decode
 
 DECODE_SHIFT = 2
@@ -66,33 +67,7 @@ DECODE_NAMES = {DECODE_CVT: "cvt", DECODE_PORTABLE: "portable", DECODE_SHIFT: "s
 # ---------------------------------------------------------------------------------------------------------------
 # Decode + scale: one 32-bit code word in ($4) and the scale pair (s, s) in ($5) -> four pairs ($0..$3).
 # ---------------------------------------------------------------------------------------------------------------
-# bf16: the magnitude bits (e1 e0 m) of nibble i go to bits 8..6 of a 16-bit half and its sign to bit 15; the
-# half is then the e2m1 value times 2^-126 (exponent field e, mantissa m/2; e = 0 gives the bf16 subnormal m/2 *
-# 2^-126).  Register j takes nibbles j (low half) and j + 4 (high half).  A nibble masked out of the word and
-# multiplied by 2^a + 2^b lands as two copies 6 bits apart (no carries: the copies do not overlap), one supplying
-# the magnitude and one the sign, and a final mask keeps those bits.  Nibbles 2, 3, 6, 7 are first moved down a
-# byte (mul.hi by 2^24: a right shift on the multiplier pipe).
-_SHIFT_BF16_BODY = (
-    "mul.hi.u32 q, $4, 0x1000000; "
-    "and.b32 d0, $4, 0x000F000F; and.b32 d1, $4, 0x00F000F0; "
-    "and.b32 d2, q, 0x000F000F; and.b32 d3, q, 0x00F000F0; "
-    "mul.lo.u32 d0, d0, 0x1040; mul.lo.u32 d1, d1, 0x104; "
-    "mul.lo.u32 d2, d2, 0x1040; mul.lo.u32 d3, d3, 0x104; "
-    "and.b32 d0, d0, 0x81C081C0; and.b32 d1, d1, 0x81C081C0; "
-    "and.b32 d2, d2, 0x81C081C0; and.b32 d3, d3, 0x81C081C0; "
-)
-# fp16: magnitude to bits 11..9 (value times 2^-14) and sign to 15.  The two are 3 bits apart, closer than a
-# nibble, so they are masked separately and added (disjoint bits); nibble 3's magnitude moves down (mul.hi).
-_SHIFT_F16_BODY = (
-    "and.b32 d0, $4, 0x00070007; and.b32 q, $4, 0x00080008; mul.lo.u32 q, q, 4096; mad.lo.u32 d0, d0, 512, q; "
-    "and.b32 d1, $4, 0x00700070; and.b32 q, $4, 0x00800080; mul.lo.u32 q, q, 256; mad.lo.u32 d1, d1, 32, q; "
-    "and.b32 d2, $4, 0x07000700; and.b32 q, $4, 0x08000800; mul.lo.u32 q, q, 16; mad.lo.u32 d2, d2, 2, q; "
-    "and.b32 d3, $4, 0x70007000; and.b32 q, $4, 0x80008000; mad.hi.u32 d3, d3, 0x20000000, q; "
-)
-# The shift decode's power of two: the MMA sees e2m1 * e4m3 * 2^-SHIFT_EXP (the scale carries 2^(126 - 7) for
-# bf16 and 2^(14 - 7) for fp16, both exact), the epilogue multiplies by 2^SHIFT_EXP.
-SHIFT_EXP = 7
-SHIFT_SCALE = {"bf16": 2.0 ** (126 - SHIFT_EXP), "f16": 2.0 ** (14 - SHIFT_EXP)}
+# The shift decode (bodies, power of two): kernels/fp4_decode.py, shared with the Triton MoE decode kernels.
 
 
 def _with_scale(body: str, fmt: str) -> str:
@@ -113,8 +88,8 @@ def _writing_d(asm: str) -> str:
 
 
 SCALED_E2M1_ASM = {
-    ("shift", "bf16"): _with_scale(_SHIFT_BF16_BODY, "bf16"),
-    ("shift", "f16"): _with_scale(_SHIFT_F16_BODY, "f16"),
+    ("shift", "bf16"): _with_scale(SHIFT_BF16_BODY, "bf16"),
+    ("shift", "f16"): _with_scale(SHIFT_F16_BODY, "f16"),
     **{(kind, fmt): _with_scale(_writing_d(E2M1_ASM[(kind, fmt)]), fmt)
        for kind in ("portable", "cvt") for fmt in ("bf16", "f16")},
 }

@@ -42,6 +42,13 @@ scale multiply on the packed pairs (``mul.rn.{bf16,f16}x2``, sm_90+), so one cod
 holding its two scaled 16-bit weights, the register an MMA operand pair is; without it, the pure-``tl`` decode of
 fp4_decode (interpreter, any GPU).  The block scales become packed pairs by the hardware e4m3 convert.
 
+Shift decode (``shift_decode`` tiles, tensor cores only): the 3 magnitude bits of a code placed at the low end of
+a 16-bit float's exponent are its value times a power of two (fp4_decode's shift bodies: 13 integer instructions per
+code word for bf16 instead of the table's 22, on the H200's half-rate integer pipe).  Register j of a word then
+holds its elements j and j + 4, so the MMA's k order inside each 8 elements is relabelled and the activations are
+permuted the same way in registers (their shared-memory tile stays in memory order); the power of two is taken out
+by the scale pair (2^119 for bf16, 2^7 for fp16: exact) and the accumulator (2^7).
+
 Launch overlap (``pdl`` tiles of the down kernels, sm_90+): the gate_up kernel signals its dependents when it
 starts; a down kernel launched as a programmatic dependent computes its routing and prefetches its weight rows into
 L2 while the gate_up kernel finishes, and waits for it before reading the intermediate or writing anything.  At
@@ -55,12 +62,13 @@ and on the GPU when asked with ``check_ids=True``).
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import triton
 import triton.language as tl
 
-from .fp4_decode import dequant_rows_16bit
+from .fp4_decode import SHIFT_BF16_BODY, SHIFT_EXP, SHIFT_F16_BODY, SHIFT_SCALE, dequant_rows_16bit
 from .moe_common import gated_activation_f32, local_expert
 
 # One program holds every route id of the call in a vector: T * top_k is bounded (decode sizes only).
@@ -100,6 +108,7 @@ class DecodeTile:
     evict_first: bool = False
     pdl: bool = False
     split_k: int = 1  # gate_up only: K splits, each its own program (see _gate_up_split)
+    shift_decode: bool = False  # the shift decode (tensor cores; see the module docstring)
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "block_t", "num_warps", "split_k"):
@@ -115,6 +124,8 @@ class DecodeTile:
                              f"256 <= block_k <= 512, got {self.block_k}")
         if self.num_stages < 1:
             raise ValueError(f"DecodeTile.num_stages: expected >= 1, got {self.num_stages}")
+        if self.shift_decode and not self.use_dot:
+            raise ValueError("DecodeTile.shift_decode: needs use_dot (the relabelled k order is the MMA's)")
 
     def check_rows(self, rows: int, kernel: str) -> None:
         """The weight rows of one program (gate_up: ``2 * block_n``): tl.dot needs M >= 16."""
@@ -124,7 +135,8 @@ class DecodeTile:
 
     def kernel_kwargs(self) -> dict:
         return dict(BLOCK_N=self.block_n, BLOCK_K=self.block_k, BLOCK_T=self.block_t, USE_DOT=self.use_dot,
-                    USE_TMA=self.use_tma, EVICT_FIRST=self.evict_first, NUM_STAGES=self.num_stages)
+                    USE_TMA=self.use_tma, EVICT_FIRST=self.evict_first, NUM_STAGES=self.num_stages,
+                    SHIFT_DECODE=self.shift_decode)
 
     def launch_kwargs(self, pdl_ok: bool) -> dict:
         """``num_warps``, ``num_stages`` and, for a ``pdl`` tile where the device has it, ``launch_pdl``."""
@@ -146,7 +158,7 @@ def tma_ok(k: int) -> bool:
 # and expert counts are not.
 # ---------------------------------------------------------------------------------------------------------------
 _TILE_CONSTEXPRS = {k: "constexpr" for k in ("BLOCK_N", "BLOCK_K", "BLOCK_T", "USE_DOT", "USE_TMA", "EVICT_FIRST",
-                                             "NUM_STAGES")}
+                                             "NUM_STAGES", "SHIFT_DECODE")}
 _BANK = {"w_ptr": "*u8", "w_sf_ptr": "*u8", "w_desc": "*u8", "s_desc": "*u8", "w_dec_ptr": "*fp32",
          "ids_ptr": "*i32", "map_ptr": "*i32"}
 _DOWN_INTS = {k: "i32" for k in ("S", "H", "K", "E", "GLOBAL_E", "top_k", "stride_am", "stride_we", "stride_wn",
@@ -359,6 +371,63 @@ def _dequant_tile_f32(codes, sf, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DTYP
     return w
 
 
+# The shift decode with the block scale: 4 code bytes in $4 (one word: Triton packs 4 consecutive bytes of the
+# thread, which the tensor-core operand layout makes a memory word), their scale pairs in $5..$8 (one block: equal).
+def _shift_scaled_ptx(body: str, fmt: str) -> tl.constexpr:
+    return tl.constexpr("{ .reg .b32 q, d<4>; " + body
+                        + "".join(f"mul.rn.{fmt}x2 ${i}, d{i}, ${5 + i}; " for i in range(4)) + "}")
+
+
+_SHIFT_SCALED_BF16_PTX = _shift_scaled_ptx(SHIFT_BF16_BODY, "bf16")
+_SHIFT_SCALED_F16_PTX = _shift_scaled_ptx(SHIFT_F16_BODY, "f16")
+_SHIFT_SCALED_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 5))
+# The scale pairs with the shift decode's power of two (exact: 448 * 2^119 < the bf16 maximum, 448 * 2^7 < 65504).
+_SHIFT_SCALE_PAIRS_BF16_PTX = tl.constexpr(
+    "{ .reg .b16 b<2>, s<4>; .reg .b32 h<2>; .reg .f32 f<4>; mov.b32 {b0, b1}, $4; "
+    "cvt.rn.f16x2.e4m3x2 h0, b0; cvt.rn.f16x2.e4m3x2 h1, b1; mov.b32 {s0, s1}, h0; mov.b32 {s2, s3}, h1; "
+    "cvt.f32.f16 f0, s0; cvt.f32.f16 f1, s1; cvt.f32.f16 f2, s2; cvt.f32.f16 f3, s3; "
+    + "".join(f"mul.f32 f{i}, f{i}, 0f{struct.pack('>f', SHIFT_SCALE['bf16']).hex().upper()}; " for i in range(4))
+    + "cvt.rn.bf16x2.f32 $0, f0, f0; cvt.rn.bf16x2.f32 $1, f1, f1; cvt.rn.bf16x2.f32 $2, f2, f2; "
+    "cvt.rn.bf16x2.f32 $3, f3, f3; }"
+)
+_F16_SHIFT_SCALE_BITS = struct.unpack("<H", struct.pack("<e", SHIFT_SCALE["f16"]))[0]
+_SHIFT_SCALE_PAIRS_F16_PTX = tl.constexpr(
+    "{ .reg .b16 b<2>; .reg .b32 h<2>, m; mov.b32 {b0, b1}, $4; "
+    f"mov.b32 m, 0x{_F16_SHIFT_SCALE_BITS:04X}{_F16_SHIFT_SCALE_BITS:04X}; "
+    "cvt.rn.f16x2.e4m3x2 h0, b0; cvt.rn.f16x2.e4m3x2 h1, b1; mul.rn.f16x2 h0, h0, m; mul.rn.f16x2 h1, h1, m; "
+    "prmt.b32 $0, h0, 0, 0x1010; prmt.b32 $1, h0, 0, 0x3232; prmt.b32 $2, h1, 0, 0x1010; "
+    "prmt.b32 $3, h1, 0, 0x3232; }"
+)
+_SHIFT_RESTORE = tl.constexpr(2.0 ** SHIFT_EXP)
+
+
+@triton.jit
+def _shift_tile(codes, sf, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+    """Scaled weights times ``2^-SHIFT_EXP`` as ``[ROWS, BLOCK_K]`` in the relabelled k order (within each 8
+    elements, operand ``2j + h`` is memory ``j + 4h``)."""
+    c3 = codes.reshape(ROWS, BLOCK_K // 16, 8)
+    if DTYPE == tl.bfloat16:
+        pair = tl.inline_asm_elementwise(_SHIFT_SCALE_PAIRS_BF16_PTX, "=r,=r,=r,=r,r", [sf], dtype=tl.int32,
+                                         is_pure=True, pack=4)
+        p = tl.inline_asm_elementwise(_SHIFT_SCALED_BF16_PTX, _SHIFT_SCALED_CONSTRAINTS, [c3, pair[:, :, None]],
+                                      dtype=tl.int32, is_pure=True, pack=4)
+    else:
+        tl.static_assert(DTYPE == tl.float16, "moe_decode: activations must be bf16 or fp16")
+        pair = tl.inline_asm_elementwise(_SHIFT_SCALE_PAIRS_F16_PTX, "=r,=r,=r,=r,r", [sf], dtype=tl.int32,
+                                         is_pure=True, pack=4)
+        p = tl.inline_asm_elementwise(_SHIFT_SCALED_F16_PTX, _SHIFT_SCALED_CONSTRAINTS, [c3, pair[:, :, None]],
+                                      dtype=tl.int32, is_pure=True, pack=4)
+    lo = p.to(tl.int16).to(DTYPE, bitcast=True)
+    hi = (p >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+    return tl.join(lo, hi).reshape(ROWS, BLOCK_K)
+
+
+@triton.jit
+def _shift_order(a, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Activations ``[BLOCK_K, BLOCK_T]`` in memory order → the shift decode's k order (see :func:`_shift_tile`)."""
+    return a.reshape(BLOCK_K // 8, 2, 4, BLOCK_T).permute(0, 2, 1, 3).reshape(BLOCK_K, BLOCK_T)
+
+
 @triton.jit
 def _acc_init(ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr):
     """The K-loop accumulator: the MMA's ``[ROWS, BLOCK_T]``, or per-element fp32 partial sums ``[ROWS, BLOCK_K,
@@ -371,10 +440,12 @@ def _acc_init(ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, 
 
 
 @triton.jit
-def _acc_finish(acc, USE_DOT: tl.constexpr):
-    """``[ROWS, BLOCK_T]`` sums of the accumulator."""
+def _acc_finish(acc, USE_DOT: tl.constexpr, SHIFT: tl.constexpr):
+    """``[ROWS, BLOCK_T]`` sums of the accumulator (``SHIFT``: the shift decode's power of two restored, exact)."""
     if USE_DOT:
         out = acc
+        if SHIFT:
+            out = out * _SHIFT_RESTORE
     else:
         out = tl.sum(acc, axis=1)
     return out
@@ -382,10 +453,14 @@ def _acc_finish(acc, USE_DOT: tl.constexpr):
 
 @triton.jit
 def _tile_product(w, s, a, acc, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, USE_DOT: tl.constexpr,
-                  FAST_DECODE: tl.constexpr):
+                  FAST_DECODE: tl.constexpr, SHIFT: tl.constexpr):
     """``acc += W [ROWS, BLOCK_K] @ a [BLOCK_K, BLOCK_T]`` (fp32) for the accumulator of :func:`_acc_init`; the
-    weights are decoded to ``DTYPE`` (the activations' 16-bit type; ``a`` itself may be fp32 on CUDA cores)."""
-    if USE_DOT:
+    weights are decoded to ``DTYPE`` (the activations' 16-bit type; ``a`` itself may be fp32 on CUDA cores).
+    ``SHIFT`` (with the inline-PTX decode): the shift decode, so ``acc`` holds the sums times ``2^-SHIFT_EXP`` until
+    :func:`_acc_finish`."""
+    if USE_DOT and SHIFT:
+        acc = tl.dot(_shift_tile(w, s, ROWS, BLOCK_K, DTYPE), _shift_order(a, BLOCK_K, a.shape[1]), acc)
+    elif USE_DOT:
         acc = tl.dot(_dequant_tile(w, s, ROWS, BLOCK_K, DTYPE, FAST_DECODE), a, acc)
     else:
         wf = _dequant_tile_f32(w, s, ROWS, BLOCK_K, DTYPE, FAST_DECODE)
@@ -513,12 +588,13 @@ def _load_act(a_ptr, a_rows, a_ok, stride_a, k0, K, BLOCK_K: tl.constexpr, EVEN_
 def _expert_rows_product(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, desc_p, desc_n, a_ptr, a_rows, a_ok,
                          stride_a, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                          USE_DOT: tl.constexpr, USE_TMA: tl.constexpr, FAST_DECODE: tl.constexpr,
-                         EVICT_FIRST: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                         EVICT_FIRST: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                         SHIFT: tl.constexpr):
     """``[ROWS, BLOCK_T]`` fp32: one expert's weight rows (see :func:`_load_tile`) times the activation rows
     ``a_rows`` of ``a``, over K."""
     return _expert_rows_product_range(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, desc_p, desc_n, a_ptr,
                                       a_rows, a_ok, stride_a, 0, K, K, ROWS, BLOCK_K, BLOCK_T, USE_DOT, USE_TMA,
-                                      FAST_DECODE, EVICT_FIRST, EVEN_K, NUM_STAGES)
+                                      FAST_DECODE, EVICT_FIRST, EVEN_K, NUM_STAGES, SHIFT)
 
 
 @triton.jit
@@ -526,7 +602,7 @@ def _expert_rows_product_range(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, 
                                a_rows, a_ok, stride_a, k_lo, k_hi, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                                BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
                                FAST_DECODE: tl.constexpr, EVICT_FIRST: tl.constexpr, EVEN_K: tl.constexpr,
-                               NUM_STAGES: tl.constexpr):
+                               NUM_STAGES: tl.constexpr, SHIFT: tl.constexpr):
     """:func:`_expert_rows_product` over the K tiles ``k_lo .. k_hi`` (multiples of ``BLOCK_K``; the bank's K masks
     the last one)."""
     acc = _acc_init(ROWS, BLOCK_K, BLOCK_T, USE_DOT)
@@ -534,8 +610,9 @@ def _expert_rows_product_range(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, 
         w, s = _load_tile(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, desc_p, desc_n, k0, K, ROWS,
                           BLOCK_K, USE_TMA, EVICT_FIRST, EVEN_K)
         a = _load_act(a_ptr, a_rows, a_ok, stride_a, k0, K, BLOCK_K, EVEN_K)
-        acc = _tile_product(w, s, a, acc, ROWS, BLOCK_K, a_ptr.dtype.element_ty, USE_DOT, FAST_DECODE)
-    return _acc_finish(acc, USE_DOT)
+        acc = _tile_product(w, s, a, acc, ROWS, BLOCK_K, a_ptr.dtype.element_ty, USE_DOT, FAST_DECODE,
+                            SHIFT and FAST_DECODE)
+    return _acc_finish(acc, USE_DOT, SHIFT and FAST_DECODE)
 
 
 @triton.jit
@@ -553,7 +630,7 @@ def _gate_up_split(x_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, out_ptr, p
                    num_n, ACTIVATION: tl.constexpr, FAST_DECODE: tl.constexpr, EVEN_K: tl.constexpr,
                    USE_TMA: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr, EVICT_FIRST: tl.constexpr,
-                   NUM_STAGES: tl.constexpr):
+                   NUM_STAGES: tl.constexpr, SHIFT_DECODE: tl.constexpr):
     """The gate_up program of K split ``kid``: its fp32 partial sums of the stacked tile go to ``part [SPLIT_K, S,
     2I]`` (plain stores: each split has its own slice), and the last split of (grid row, column block) to arrive,
     counted in ``cnt`` (zeroed by the launcher), sums the slices in split order, applies the activation and stores
@@ -574,7 +651,7 @@ def _gate_up_split(x_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, out_ptr, p
         acc = _expert_rows_product_range(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, 2 * e,
                                          pid_n * BLOCK_N, x_ptr, route // top_k, r_ok, stride_xt, k_lo, k_hi, K,
                                          2 * BLOCK_N, BLOCK_K, BLOCK_T, USE_DOT, USE_TMA, FAST_DECODE, EVICT_FIRST,
-                                         EVEN_K, NUM_STAGES)
+                                         EVEN_K, NUM_STAGES, SHIFT_DECODE)
         p_ptrs = part_ptr + kid * slice_numel + route[None, :].to(tl.int64) * (2 * I) + w_row[:, None]
         tl.store(p_ptrs, acc, mask=row_ok[:, None] & r_ok[None, :])
     tl.debug_barrier()  # every thread's partial sums before the release of the count
@@ -608,7 +685,7 @@ def _moe_decode_gate_up_kernel(
     ACTIVATION: tl.constexpr, HAS_MAP: tl.constexpr, BY_EXPERT: tl.constexpr, ZERO: tl.constexpr,
     S_BLOCK: tl.constexpr, FAST_DECODE: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
     GDC: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-    USE_DOT: tl.constexpr, EVICT_FIRST: tl.constexpr, NUM_STAGES: tl.constexpr,
+    USE_DOT: tl.constexpr, EVICT_FIRST: tl.constexpr, NUM_STAGES: tl.constexpr, SHIFT_DECODE: tl.constexpr,
 ):
     # A down kernel launched as a programmatic dependent may start its prologue (routing, L2 prefetch of its
     # weights: nothing this kernel writes) as soon as every program here has started.
@@ -624,7 +701,7 @@ def _moe_decode_gate_up_kernel(
         _gate_up_split(x_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, out_ptr, part_ptr, cnt_ptr, row, pid_n, kid,
                        e, seen, count, S, I, K, top_k, stride_xt, stride_we, stride_wn, stride_wse, stride_wsn,
                        stride_om, tl.num_programs(1), ACTIVATION, FAST_DECODE, EVEN_K, USE_TMA, SPLIT_K, BLOCK_N,
-                       BLOCK_K, BLOCK_T, USE_DOT, EVICT_FIRST, NUM_STAGES)
+                       BLOCK_K, BLOCK_T, USE_DOT, EVICT_FIRST, NUM_STAGES, SHIFT_DECODE)
     elif live:
         # Stacked tile: rows 0..BLOCK_N are gate rows n, rows BLOCK_N..2 BLOCK_N the up rows I + n (the TMA box
         # [2, BLOCK_N, .] of the bank viewed as [2E, I, K/2]).
@@ -642,7 +719,7 @@ def _moe_decode_gate_up_kernel(
             acc = _expert_rows_product(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, 2 * e,
                                        pid_n * BLOCK_N, x_ptr, route // top_k, r_ok, stride_xt, K, 2 * BLOCK_N,
                                        BLOCK_K, BLOCK_T, USE_DOT, USE_TMA, FAST_DECODE, EVICT_FIRST, EVEN_K,
-                                       NUM_STAGES)
+                                       NUM_STAGES, SHIFT_DECODE)
             gate, up = acc.reshape(2, BLOCK_N, BLOCK_T).permute(1, 2, 0).split()
             inter = gated_activation_f32(gate * dec, up * dec, ACTIVATION)
             out_ptrs = out_ptr + route[None, :].to(tl.int64) * stride_om + offs_n[:, None]
@@ -656,7 +733,7 @@ def _moe_decode_down_token_kernel(
     stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     HAS_MAP: tl.constexpr, TOPK_BLOCK: tl.constexpr, FAST_DECODE: tl.constexpr, EVEN_K: tl.constexpr,
     USE_TMA: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-    USE_DOT: tl.constexpr, EVICT_FIRST: tl.constexpr, NUM_STAGES: tl.constexpr,
+    USE_DOT: tl.constexpr, EVICT_FIRST: tl.constexpr, NUM_STAGES: tl.constexpr, SHIFT_DECODE: tl.constexpr,
 ):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -698,10 +775,10 @@ def _moe_decode_down_token_kernel(
         a = _load_act(a_ptr, t * top_k + slot + cols * 0, cols == 0, stride_am, k0, K, BLOCK_K, EVEN_K)
         if USE_DOT:
             y += _tile_product(w, s, a, tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32), BLOCK_N, BLOCK_K, a.dtype,
-                               True, FAST_DECODE) * c
+                               True, FAST_DECODE, SHIFT_DECODE and FAST_DECODE) * c
         else:  # the slot's factor on the activations: one multiply per k instead of one per weight
-            y = _tile_product(w, s, a.to(tl.float32) * c, y, BLOCK_N, BLOCK_K, a.dtype, False, FAST_DECODE)
-    y = _acc_finish(y, USE_DOT)
+            y = _tile_product(w, s, a.to(tl.float32) * c, y, BLOCK_N, BLOCK_K, a.dtype, False, FAST_DECODE, False)
+    y = _acc_finish(y, USE_DOT, SHIFT_DECODE and FAST_DECODE)
     out = tl.sum(tl.where((cols == 0)[None, :], y, 0.0), axis=1)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
@@ -723,7 +800,7 @@ def _moe_decode_down_expert_kernel(
     HAS_MAP: tl.constexpr, BY_EXPERT: tl.constexpr, DETERMINISTIC: tl.constexpr, S_BLOCK: tl.constexpr,
     TOPK_BLOCK: tl.constexpr, FAST_DECODE: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
     PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr,
-    EVICT_FIRST: tl.constexpr, NUM_STAGES: tl.constexpr,
+    EVICT_FIRST: tl.constexpr, NUM_STAGES: tl.constexpr, SHIFT_DECODE: tl.constexpr,
 ):
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -753,7 +830,7 @@ def _moe_decode_down_expert_kernel(
             route, r_ok = _chunk_routes(seen, c0, count, BLOCK_T)
             acc = _expert_rows_product(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, e, pid_n * BLOCK_N,
                                        a_ptr, route, r_ok, stride_am, K, BLOCK_N, BLOCK_K, BLOCK_T, USE_DOT, USE_TMA,
-                                       FAST_DECODE, EVICT_FIRST, EVEN_K, NUM_STAGES)
+                                       FAST_DECODE, EVICT_FIRST, EVEN_K, NUM_STAGES, SHIFT_DECODE)
             y = (acc * dec) * tl.load(tw_ptr + route, mask=r_ok, other=0.0)[None, :]
             mask = row_ok[:, None] & r_ok[None, :]
             if DETERMINISTIC:  # one fp32 row per route, summed in slot order by the sum kernel
