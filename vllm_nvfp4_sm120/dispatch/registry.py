@@ -10,6 +10,9 @@
   compile-time arguments and derived sizes fixed once, the launch checking nothing (the op validated its inputs).
   Kernels without a ready form (the vendor routes) run their validating adapter with the plan's tile bound.
 
+* :func:`prepare_moe_decode`: the same for the MoE flow's decode plan (its two or three launches, per call
+  signature).
+
 Plus the Gluon gemv on the tile the dispatch picks (:func:`gemv`), for tools and tests that call it directly.
 """
 
@@ -29,7 +32,7 @@ from ..kernels.w4a16_linear import prepare_w4a16_gemm, prepare_w4a16_gemv, w4a16
 from . import vendor
 from .hw import capability_of
 from .linear import GLUON_GEMV_MAX_T, LinearKernel, Route, act_quant_config, gluon_gemv_plan
-from .moe import Impl, MoeKernel
+from .moe import DecodeDown, Impl, MoeKernel
 
 
 def _logical(w_codes, w_scales, n, k):
@@ -229,3 +232,56 @@ MOE_KERNELS: dict[tuple[MoeKernel, Impl], tuple[Callable, Callable]] = {
     (MoeKernel.W4A4, Impl.GLUON): (gluon_moe_w4a4.gluon_moe_w4a4_gate_up, gluon_moe_w4a4.gluon_moe_w4a4_down),
     (MoeKernel.W4A16, Impl.DECODE): (moe_decode.moe_decode_gate_up, _decode_down),
 }
+
+
+@dataclass(frozen=True)
+class MoeReady:
+    """What a ready MoE layer launcher is built for: ``x [t, h]``, banks of ``e`` experts with intermediate
+    size ``i``, ``top_k`` routes per token over ``global_e`` global experts (``has_map``: an ``expert_map``)."""
+
+    t: int
+    h: int
+    i: int
+    e: int
+    top_k: int
+    global_e: int
+    device: torch.device
+    has_map: bool
+    activation: str
+    deterministic: bool
+
+
+def prepare_moe_decode(plan, r: MoeReady):
+    """The decode plan's ready layer launcher for one call signature (the flow's checks and the launchers' passed
+    on its first call): ``run(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights,
+    topk_ids, expert_map, out) -> out``, the same launches as the flow's decode path, checking nothing; T > 0."""
+    by_expert = plan.decode_down == DecodeDown.EXPERT
+    zeroed = by_expert and not r.deterministic  # atomic mode: the gate_up kernel zeroes the workspace
+    dims = (r.t, r.h, r.i, r.e, r.top_k, r.global_e, r.device)
+    numel = moe_decode.down_expert_workspace_numel(r.t, r.top_k, r.h, plan.down, r.deterministic) if by_expert else 0
+    gate_up = moe_decode.prepare_moe_decode_gate_up(*dims, tile=plan.gate_up, activation=r.activation,
+                                                    has_map=r.has_map, zero_numel=numel if zeroed else None)
+    has_map, device = r.has_map, r.device
+    u8 = torch.uint8
+    if by_expert:
+        down = moe_decode.prepare_moe_decode_down_expert(*dims, tile=plan.down, has_map=has_map,
+                                                         deterministic=r.deterministic)
+
+        def run(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, expert_map,
+                out):
+            topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
+            emap = expert_map if has_map else topk_ids
+            ws = torch.empty(numel, dtype=torch.float32, device=device)
+            inter = gate_up(x, w13_codes, w13_scales.view(u8), w13_dec, topk_ids, emap, None, ws if zeroed else None)
+            return down(inter, w2_codes, w2_scales.view(u8), w2_dec, topk_ids, emap, topk_weights, ws, out)
+    else:
+        down = moe_decode.prepare_moe_decode_down_token(*dims, tile=plan.down, has_map=has_map)
+
+        def run(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, expert_map,
+                out):
+            topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
+            emap = expert_map if has_map else topk_ids
+            inter = gate_up(x, w13_codes, w13_scales.view(u8), w13_dec, topk_ids, emap)
+            return down(inter, w2_codes, w2_scales.view(u8), w2_dec, topk_ids, emap, topk_weights, out)
+
+    return run

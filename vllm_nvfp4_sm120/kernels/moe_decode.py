@@ -1103,6 +1103,11 @@ def moe_decode(
 # T > 0).  The TMA descriptors are made per call: they hold the bank's address, which differs between layers of
 # one signature (``_descriptors`` checks its alignment).
 # ---------------------------------------------------------------------------------------------------------------
+def down_expert_workspace_numel(t: int, top_k: int, h: int, tile: DecodeTile, deterministic: bool) -> int:
+    """fp32 elements of :func:`down_expert_workspace`."""
+    return _workspace_numel(t, top_k, h, tile, deterministic)
+
+
 def prepare_moe_decode_gate_up(t: int, h: int, i: int, e: int, top_k: int, global_e: int, device, *,
                                tile: DecodeTile, activation: str, has_map: bool, zero_numel: int | None):
     """``run(x, w13_codes, w13_sf, w13_dec, topk_ids, emap, out=None, zero=None) -> out [T * top_k, I]``;

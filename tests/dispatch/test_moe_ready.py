@@ -1,0 +1,135 @@
+"""The MoE decode plan's ready layer launcher (``registry.prepare_moe_decode``) against the flow's validating path.
+
+CPU: the interpreter runs both on the same tensors (the flow with an explicit plan runs the validating launchers
+there); the results must be bit-identical.  GPU (``-m gpu``): the flow's second call of a signature takes the ready
+launcher, and gives the first call's bits (token-major and deterministic plans), also on another layer's banks of
+the same signature and under CUDA-graph capture.
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from vllm_nvfp4_sm120.dispatch import moe_flow
+from vllm_nvfp4_sm120.dispatch.hw import Capability
+from vllm_nvfp4_sm120.dispatch.moe import decode_tier_plan
+from vllm_nvfp4_sm120.dispatch.registry import MoeReady, prepare_moe_decode
+from vllm_nvfp4_sm120.format import make_moe_bank, topk_route
+
+SM90 = Capability(90)
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    moe_flow.clear()
+    yield
+    moe_flow.clear()
+
+
+def _plan(case: str):
+    """(plan, H, I, deterministic, expert_map) per case; small shapes for the interpreter (TMA needs K % 256)."""
+    if case == "expert-atomic-tma":
+        return decode_tier_plan(SM90, 1, hidden=4096, intermediate=4096), 256, 256, False, False
+    if case == "expert-det":
+        return decode_tier_plan(SM90, 1, hidden=112, intermediate=96), 112, 96, True, False
+    if case == "token-map":
+        return decode_tier_plan(SM90, 8, hidden=112, intermediate=512), 112, 80, False, True
+    if case == "split-k":
+        plan = decode_tier_plan(SM90, 1, hidden=112, intermediate=96)
+        return replace(plan, gate_up=replace(plan.gate_up, block_k=32, split_k=2)), 112, 96, False, False
+    raise AssertionError(case)
+
+
+def _layer(gen, t, e, h, i, top_k, with_map, dtype=torch.float16):
+    w13, d13 = make_moe_bank(e, 2 * i, h, gen=gen)
+    w2, d2 = make_moe_bank(e, h, i, gen=gen)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    global_e = 2 * e if with_map else e
+    tw, ti = topk_route(torch.randn(t, global_e, generator=gen), top_k)
+    emap = None
+    if with_map:  # every other global expert on this rank
+        emap = torch.full((global_e,), -1, dtype=torch.int32)
+        emap[::2] = torch.arange(e, dtype=torch.int32)
+    tensors = [x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti]
+    tensors = [v.to(DEVICE) for v in tensors]
+    return tensors, None if emap is None else emap.to(DEVICE)
+
+
+def _ready(plan, a, emap, deterministic, activation="silu"):
+    x, w13c, _, _, w2c, _, _, _, ti = a
+    return prepare_moe_decode(plan, MoeReady(
+        x.shape[0], x.shape[1], w2c.shape[2] * 2, w13c.shape[0], ti.shape[1],
+        emap.shape[0] if emap is not None else w13c.shape[0], x.device, emap is not None, activation, deterministic))
+
+
+@pytest.mark.parametrize("case", ["expert-atomic-tma", "expert-det", "token-map", "split-k"])
+def test_ready_decode_layer_equals_validating_flow(case, gen):
+    if ON_GPU:
+        pytest.skip("the interpreter case; the GPU tests below cover CUDA")
+    plan, h, i, deterministic, with_map = _plan(case)
+    a, emap = _layer(gen, 3, 6, h, i, 2, with_map)
+    want = moe_flow.nvfp4_moe(*a, expert_map=emap, deterministic=deterministic, plan=plan)
+    got = _ready(plan, a, emap, deterministic)(*a, emap, torch.empty_like(a[0]))
+    assert torch.equal(got, want)
+
+
+def test_flow_keeps_no_ready_launcher_on_cpu(gen):
+    plan, h, i, deterministic, _ = _plan("expert-det")
+    a, _ = _layer(gen, 2, 4, h, i, 2, False)
+    for _ in range(2):
+        moe_flow.nvfp4_moe(*a, deterministic=True, plan=plan)
+    assert all(entry.ready is None for entry in moe_flow._CACHE.values())
+
+
+def _gpu_plan(down: str):
+    plan = decode_tier_plan(SM90, 4, hidden=2048, intermediate=768 if down == "expert" else 512)
+    assert plan.decode_down == down
+    return plan
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("down,deterministic", [("token", False), ("expert", True), ("expert", False)])
+def test_flow_second_call_takes_ready_launcher(down, deterministic, gen):
+    plan = _gpu_plan(down)
+    a, _ = _layer(gen, 4, 8, 2048, 768 if down == "expert" else 512, 4, False, dtype=torch.bfloat16)
+    first = moe_flow.nvfp4_moe(*a, deterministic=deterministic, plan=plan)
+    (entry,) = moe_flow._CACHE.values()
+    assert entry.ready is not None
+    again = moe_flow.nvfp4_moe(*a, deterministic=deterministic, plan=plan)
+    if down == "token" or deterministic:
+        assert torch.equal(again, first)
+    else:  # fp32 atomics: the add order varies run to run
+        torch.testing.assert_close(again, first, rtol=2**-7, atol=1e-3)
+    # Another layer's banks of the same signature: the ready launcher reads the new weights.
+    b, _ = _layer(torch.Generator().manual_seed(99), 4, 8, 2048, 768 if down == "expert" else 512, 4, False,
+                  dtype=torch.bfloat16)
+    other = moe_flow.nvfp4_moe(*a[:1], *b[1:7], *a[7:], deterministic=deterministic, plan=plan)
+    moe_flow.clear()
+    want = moe_flow.nvfp4_moe(*a[:1], *b[1:7], *a[7:], deterministic=deterministic, plan=plan)
+    if down == "token" or deterministic:
+        assert torch.equal(other, want)
+    else:
+        torch.testing.assert_close(other, want, rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_flow_ready_launcher_under_cuda_graph(gen):
+    plan = _gpu_plan("token")
+    a, _ = _layer(gen, 4, 8, 2048, 512, 4, False, dtype=torch.bfloat16)
+    want = moe_flow.nvfp4_moe(*a, plan=plan)
+    out = torch.empty_like(a[0])
+    moe_flow.nvfp4_moe(*a, plan=plan, out=out)  # the out= signature's validating call, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    out.zero_()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            moe_flow.nvfp4_moe(*a, plan=plan, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
