@@ -119,20 +119,52 @@ def test_specialization_change_takes_jit_path(fake, change):
     assert first.run.__self__.launches == []
 
 
-@pytest.mark.parametrize("same", ["new_tensors", "dns_int", "float_value", "aligned_offset"])
+@pytest.mark.parametrize("same", ["new_tensors", "aligned_offset"])
 def test_same_specialization_takes_fast_path(fake, same):
     ready = ReadyKernel(fake, (1,), BLOCK=16)
     ready(*_args())
-    x, y, n, stride, n_dns, scale = _args()
-    args = {
-        "new_tensors": lambda: _args(),
-        "dns_int": lambda: (x, y, n, stride, 31, scale),  # do_not_specialize: 17 and 31 are the same variant
-        "float_value": lambda: (x, y, n, stride, n_dns, 0.25),
-        "aligned_offset": lambda: _args(offset=8),  # 16 bytes in: still aligned
-    }[same]()
+    args = {"new_tensors": _args, "aligned_offset": lambda: _args(offset=8)}[same]()  # 16 bytes in: aligned
     ready(*args)
     assert len(fake.jit_calls) == 1
     assert _launches(ready)[-1][9:] == (*args, 16, False)
+
+
+@pytest.mark.parametrize("change", ["dns_int", "float_value"])
+def test_other_scalar_goes_through_jit_once(fake, change):
+    """A scalar value the variant does not depend on: the JIT picks (here: the same) variant, which is then the
+    one remembered for the new value."""
+    ready = ReadyKernel(fake, (1,), BLOCK=16)
+    ready(*_args())
+    x, y, n, stride, n_dns, scale = _args()
+    args = (x, y, n, stride, 31, scale) if change == "dns_int" else (x, y, n, stride, n_dns, 0.25)
+    ready(*args)
+    ready(*args)
+    assert len(fake.jit_calls) == 2
+    assert _launches(ready) == [(1, 1, 1, 1000, "fn2", "meta2", None, None, None, *args, 16, False)]
+
+
+class Desc:
+    """Stands for a TMA descriptor: an argument that is neither a tensor nor a plain scalar."""
+
+    def __init__(self, block):
+        self.block = block
+
+
+def test_other_arguments_use_tritons_specialization(fake, monkeypatch):
+    seen = []
+
+    def spec(backend, arg, is_const, specialize, align):
+        seen.append(arg)
+        return ("tensordesc", arg.block) if isinstance(arg, Desc) else ("?", None)
+
+    monkeypatch.setattr(launch, "_specialize", spec)
+    ready = ReadyKernel(fake, (1,), BLOCK=16)
+    x, y, n, stride, n_dns, scale = _args()
+    ready(x, Desc(16), n, stride, n_dns, scale)
+    ready(x, Desc(16), n, stride, n_dns, scale)
+    assert len(fake.jit_calls) == 1 and len(seen) == 2, "a new descriptor with the same block: fast path"
+    ready(x, Desc(32), n, stride, n_dns, scale)
+    assert len(fake.jit_calls) == 2, "another block: another variant"
 
 
 def test_misaligned_variant_is_remembered(fake):
@@ -264,7 +296,7 @@ def test_ready_kernel_matches_jit_launch_in_interpreter():
     n = 40
     x, y = _axpy_inputs(n, torch.float16)
     ready = ReadyKernel(_axpy_kernel, (triton.cdiv(n, 16),), BLOCK=16)
-    assert not ready._fast
+    assert ready._params is None, "the interpreter: the JIT path only"
     for n_dns in (3, 5):
         out = torch.empty_like(x)
         ready(x, y, out, n, n_dns, 0.5)
@@ -280,12 +312,14 @@ def test_fast_path_equals_jit_path(dtype, n):
     ready = ReadyKernel(_axpy_kernel, grid, BLOCK=128, num_warps=4)
     want = torch.empty_like(x)
     _axpy_kernel[grid](x, y, want, n, 7, 0.75, BLOCK=128, num_warps=4)
-    outs = []
-    for _ in range(3):
-        out = torch.empty_like(x)
-        ready(x, y, out, n, 7, 0.75)
-        outs.append(out)
+    outs = [torch.empty_like(x) for _ in range(3)]
+    ready(x, y, outs[0], n, 7, 0.75)
     assert ready._variant is not None, "the fast path must be available on a GPU with Triton 3.8"
+    jit = ready._launch
+    ready._launch = None  # the next calls must not reach the JIT
+    for out in outs[1:]:
+        ready(x, y, out, n, 7, 0.75)
+    ready._launch = jit
     for out in outs:
         assert torch.equal(out, want)
 
