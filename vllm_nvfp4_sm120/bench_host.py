@@ -120,6 +120,33 @@ def _row(rows, name: str, fn, *, note: str = "", kernels: float | None = None, c
     print(f"{name:58} {us:8.1f} us  (synced {synced:8.1f})  kernels/call {k}  {note}", flush=True)
 
 
+def _fast(ready) -> bool:
+    """Whether a ready kernel's last call took (and its next will take) the fast path."""
+    return ready._variant is not None
+
+
+def _decode_gate_up_rows(rows, plan, x, w13, d13, ti) -> None:
+    """One heavy kernel (the decode gate_up, ~45 arguments with its constexprs) launched by Triton's JIT path and by
+    the ready kernel's fast path: the same ready launcher, built with the fast path off and on."""
+    from .kernels import launch
+    from .kernels.moe_decode import prepare_moe_decode_gate_up
+
+    t, h = x.shape
+    e, two_i = w13.codes.shape[:2]
+    sf = w13.scales.view(torch.uint8)
+    for fast in (False, True):
+        launch.ENABLED = fast
+        try:
+            run = prepare_moe_decode_gate_up(t, h, two_i // 2, e, ti.shape[1], e, x.device, tile=plan.gate_up,
+                                             activation="silu", has_map=False, zero_numel=None)
+        finally:
+            launch.ENABLED = True
+        out = torch.empty((t * ti.shape[1], two_i // 2), dtype=x.dtype, device=x.device)
+        _row(rows, f"  decode gate_up ready launcher, {'fast' if fast else 'JIT'} path T={t}",
+             lambda run=run, out=out: run(x, w13.codes, sf, d13, ti, ti, out), count=False, kernels=1.0,
+             note="TMA descriptors made per call" if plan.gate_up.use_tma else "")
+
+
 def bench_host() -> dict:
     from .bench import gpu_nvfp4
     from .dispatch import moe_ops  # noqa: F401  (registers torch.ops.nvfp4_sm120.moe)
@@ -129,6 +156,7 @@ def bench_host() -> dict:
     from .dispatch.moe_flow import plan_for
     from .dispatch.registry import LINEAR_KERNELS
     from .format.swizzle import swizzle_128x4
+    from .kernels.launch import ReadyKernel
 
     dev = torch.device("cuda")
     cap = capability_of(dev)
@@ -146,6 +174,10 @@ def bench_host() -> dict:
     _row(rows, "trivial Triton launch (1 arg)", lambda: _trivial[(1,)](buf))
     _row(rows, "trivial Triton launch (12 args)", lambda: _trivial_12[(1,)](buf, buf, buf, buf, buf, buf,
                                                                            1, 2, 3, 4, 5, 6, BLOCK=16))
+    ready_12 = ReadyKernel(_trivial_12, (1,), BLOCK=16)
+    _row(rows, "trivial Triton launch (12 args), ReadyKernel", lambda: ready_12(buf, buf, buf, buf, buf, buf,
+                                                                               1, 2, 3, 4, 5, 6),
+         note="fast path" if _fast(ready_12) else "JIT path (fast path unavailable)")
     lib, noop, noop_custom = _noop_ops()
     _row(rows, "no-op op, torch.library.Library define + impl", lambda: noop(x1), count=False)
     _row(rows, "no-op op, torch.library.custom_op", lambda: noop_custom(x1), count=False)
@@ -193,6 +225,8 @@ def bench_host() -> dict:
              lambda x=x, tw=tw, ti=ti, out=out, a=a: torch.ops.nvfp4_sm120.moe(
                  x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, a, a, None, "silu", False, out),
              note=f"{plan.kernel} {plan.impl} block_m={plan.block_m}")
+        if t == 1 and not w4a4 and plan.impl == "decode":
+            _decode_gate_up_rows(rows, plan, x, w13, d13, ti)
     del lib
 
     trivial = next((r["host_us"] for r in rows if r["call"].startswith("trivial Triton launch (12")), None)
