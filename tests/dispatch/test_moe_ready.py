@@ -1,4 +1,5 @@
-"""The MoE decode plan's ready layer launcher (``registry.prepare_moe_decode``) against the flow's validating path.
+"""The MoE flow's ready layer launchers (``registry.prepare_moe``: the decode plan, the W4A16 Triton tiers) against
+the flow's validating path.
 
 CPU: the interpreter runs both on the same tensors (the flow with an explicit plan runs the validating launchers
 there); the results must be bit-identical.  GPU (``-m gpu``): the flow's second call of a signature takes the ready
@@ -13,8 +14,8 @@ import torch
 
 from vllm_nvfp4_sm120.dispatch import moe_flow
 from vllm_nvfp4_sm120.dispatch.hw import Capability
-from vllm_nvfp4_sm120.dispatch.moe import decode_tier_plan
-from vllm_nvfp4_sm120.dispatch.registry import MoeReady, prepare_moe_decode
+from vllm_nvfp4_sm120.dispatch.moe import Impl, MoeKernel, decode_tier_plan, tier_plan
+from vllm_nvfp4_sm120.dispatch.registry import READY_MOE, MoeReady, prepare_moe
 from vllm_nvfp4_sm120.format import make_moe_bank, topk_route
 
 SM90 = Capability(90)
@@ -40,6 +41,11 @@ def _plan(case: str):
     if case == "split-k":
         plan = decode_tier_plan(SM90, 1, hidden=112, intermediate=96)
         return replace(plan, gate_up=replace(plan.gate_up, block_k=32, split_k=2)), 112, 96, False, False
+    if case.startswith("tiers"):  # the W4A16 Triton tiers: pure-tl decode, pointer loads in the interpreter
+        plan = tier_plan(SM90, MoeKernel.W4A16, 32, hidden=128, intermediate=64, impl=Impl.TRITON)
+        plan = replace(plan, fast_decode=False, gate_up=replace(plan.gate_up, use_tma=False),
+                       down=replace(plan.down, use_tma=False))
+        return plan, 128, 64, case == "tiers-det", case == "tiers-map"
     raise AssertionError(case)
 
 
@@ -60,13 +66,18 @@ def _layer(gen, t, e, h, i, top_k, with_map, dtype=torch.float16):
 
 def _ready(plan, a, emap, deterministic, activation="silu"):
     x, w13c, _, _, w2c, _, _, _, ti = a
-    return prepare_moe_decode(plan, MoeReady(
+    return prepare_moe(plan, MoeReady(
         x.shape[0], x.shape[1], w2c.shape[2] * 2, w13c.shape[0], ti.shape[1],
         emap.shape[0] if emap is not None else w13c.shape[0], x.device, emap is not None, activation, deterministic))
 
 
-@pytest.mark.parametrize("case", ["expert-atomic-tma", "expert-det", "token-map", "split-k"])
-def test_ready_decode_layer_equals_validating_flow(case, gen):
+def test_ready_moe_kernels():
+    assert set(READY_MOE) == {(MoeKernel.W4A16, Impl.DECODE), (MoeKernel.W4A16, Impl.TRITON)}
+
+
+@pytest.mark.parametrize("case", ["expert-atomic-tma", "expert-det", "token-map", "split-k", "tiers-atomic",
+                                  "tiers-det", "tiers-map"])
+def test_ready_layer_equals_validating_flow(case, gen):
     if ON_GPU:
         pytest.skip("the interpreter case; the GPU tests below cover CUDA")
     plan, h, i, deterministic, with_map = _plan(case)
@@ -84,41 +95,45 @@ def test_flow_keeps_no_ready_launcher_on_cpu(gen):
     assert all(entry.ready is None for entry in moe_flow._CACHE.values())
 
 
-def _gpu_plan(down: str):
-    plan = decode_tier_plan(SM90, 4, hidden=2048, intermediate=768 if down == "expert" else 512)
-    assert plan.decode_down == down
-    return plan
+def _gpu_plan(kind: str):
+    """(plan, T, I) on H = 2048: a decode plan with either down kernel, or the W4A16 Triton tiers."""
+    if kind == "tiers":
+        return tier_plan(SM90, MoeKernel.W4A16, 32, hidden=2048, intermediate=768, impl=Impl.TRITON), 64, 768
+    i = 768 if kind == "expert" else 512
+    plan = decode_tier_plan(SM90, 4, hidden=2048, intermediate=i)
+    assert plan.decode_down == kind
+    return plan, 4, i
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("down,deterministic", [("token", False), ("expert", True), ("expert", False)])
-def test_flow_second_call_takes_ready_launcher(down, deterministic, gen):
-    plan = _gpu_plan(down)
-    a, _ = _layer(gen, 4, 8, 2048, 768 if down == "expert" else 512, 4, False, dtype=torch.bfloat16)
+@pytest.mark.parametrize("kind,deterministic", [("token", False), ("expert", True), ("expert", False),
+                                                ("tiers", True), ("tiers", False)])
+def test_flow_second_call_takes_ready_launcher(kind, deterministic, gen):
+    plan, t, i = _gpu_plan(kind)
+    a, _ = _layer(gen, t, 8, 2048, i, 4, False, dtype=torch.bfloat16)
     first = moe_flow.nvfp4_moe(*a, deterministic=deterministic, plan=plan)
     (entry,) = moe_flow._CACHE.values()
     assert entry.ready is not None
-    again = moe_flow.nvfp4_moe(*a, deterministic=deterministic, plan=plan)
-    if down == "token" or deterministic:
-        assert torch.equal(again, first)
-    else:  # fp32 atomics: the add order varies run to run
-        torch.testing.assert_close(again, first, rtol=2**-7, atol=1e-3)
+    exact = kind == "token" or deterministic  # else fp32 atomics: the add order varies run to run
+
+    def same(got, want):
+        if exact:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-3)
+
+    same(moe_flow.nvfp4_moe(*a, deterministic=deterministic, plan=plan), first)
     # Another layer's banks of the same signature: the ready launcher reads the new weights.
-    b, _ = _layer(torch.Generator().manual_seed(99), 4, 8, 2048, 768 if down == "expert" else 512, 4, False,
-                  dtype=torch.bfloat16)
+    b, _ = _layer(torch.Generator().manual_seed(99), t, 8, 2048, i, 4, False, dtype=torch.bfloat16)
     other = moe_flow.nvfp4_moe(*a[:1], *b[1:7], *a[7:], deterministic=deterministic, plan=plan)
     moe_flow.clear()
-    want = moe_flow.nvfp4_moe(*a[:1], *b[1:7], *a[7:], deterministic=deterministic, plan=plan)
-    if down == "token" or deterministic:
-        assert torch.equal(other, want)
-    else:
-        torch.testing.assert_close(other, want, rtol=2**-7, atol=1e-3)
+    same(other, moe_flow.nvfp4_moe(*a[:1], *b[1:7], *a[7:], deterministic=deterministic, plan=plan))
 
 
 @pytest.mark.gpu
 def test_flow_ready_launcher_under_cuda_graph(gen):
-    plan = _gpu_plan("token")
-    a, _ = _layer(gen, 4, 8, 2048, 512, 4, False, dtype=torch.bfloat16)
+    plan, t, i = _gpu_plan("token")
+    a, _ = _layer(gen, t, 8, 2048, i, 4, False, dtype=torch.bfloat16)
     want = moe_flow.nvfp4_moe(*a, plan=plan)
     out = torch.empty_like(a[0])
     moe_flow.nvfp4_moe(*a, plan=plan, out=out)  # the out= signature's validating call, outside the capture

@@ -11,10 +11,11 @@ A call's checks and plan depend only on its tensors' metadata and its options, s
 the first call validates every tensor and selects the plan, later ones with the same signature find it in a dict
 (the key also holds what the selector reads besides the shapes: the policy's and the substitutions' generation,
 ``policy.generation()``, and the selector environment; ``configs.clear_cache`` forgets the entries).  The launchers
-still check their arguments, except on a decode plan's later GPU calls: its first one runs the validating
-launchers, and the entry then keeps its ready launcher (``registry.prepare_moe_decode``: grids, compile-time
-arguments and buffer sizes fixed, Triton's argument binding skipped), since nothing they check can change within a
-signature but the banks' addresses (whose TMA alignment the ready launches still check).
+still check their arguments, except on later GPU calls of a plan with a ready layer launcher
+(``registry.READY_MOE``: the decode plan, the W4A16 Triton tiers): the first call runs the validating launchers,
+and the entry then keeps the ready one (``registry.prepare_moe``: grids, compile-time arguments and buffer sizes
+fixed, Triton's argument binding skipped), since nothing they check can change within a signature but the banks'
+addresses (whose TMA alignment the ready launches still check).
 
 Decode plans (``Impl.DECODE``, small T) skip the alignment: ``topk_ids`` (and ``expert_map``) go straight into the
 gate_up kernel (gated activation fused) and the down kernel (routing weight and top-k sum fused); see
@@ -41,7 +42,7 @@ from .linear import act_quant_config
 from .linear_call import MAX_ENTRIES, SELECTOR_ENV
 from .moe import DecodeDown, Impl, MoeKernel, MoePlan, select_moe_plan
 from .policy import current_policy
-from .registry import MOE_KERNELS, MoeReady, prepare_moe_decode
+from .registry import MOE_KERNELS, MoeReady, prepare_moe
 
 
 
@@ -131,9 +132,9 @@ def nvfp4_moe(
                                      topk_ids, a13_enc, a2_enc, expert_map, activation, plan))
     out = _run_kernels(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
                        a13_enc, a2_enc, expert_map, activation, deterministic, out, plan)
-    if key is not None and x.is_cuda and t > 0 and plan.impl == Impl.DECODE:
+    if key is not None and x.is_cuda and t > 0:
         # The validating launchers passed for this signature: later calls launch the same kernels directly.
-        entry.ready = prepare_moe_decode(plan, MoeReady(
+        entry.ready = prepare_moe(plan, MoeReady(
             t, x.shape[1], w2_codes.shape[2] * 2, w13_codes.shape[0], topk_ids.shape[1],
             expert_map.shape[0] if expert_map is not None else w13_codes.shape[0], x.device, expert_map is not None,
             activation, deterministic))

@@ -10,8 +10,8 @@
   compile-time arguments and derived sizes fixed once, the launch checking nothing (the op validated its inputs).
   Kernels without a ready form (the vendor routes) run their validating adapter with the plan's tile bound.
 
-* :func:`prepare_moe_decode`: the same for the MoE flow's decode plan (its two or three launches, per call
-  signature).
+* :func:`prepare_moe`: the same for the MoE flow, per call signature (:data:`READY_MOE`: the decode plan's two
+  or three launches, the W4A16 Triton tiers' align, GEMMs and sum).
 
 Plus the Gluon gemv on the tile the dispatch picks (:func:`gemv`), for tools and tests that call it directly.
 """
@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import fp4_routes, gluon_gemv, gluon_moe_w4a4, gluon_moe_w4a16, moe_decode, moe_w4a4, moe_w4a16
+from ..kernels import (fp4_routes, gluon_gemv, gluon_moe_w4a4, gluon_moe_w4a16, moe_align, moe_decode, moe_w4a4,
+                       moe_w4a16)
 from ..kernels.act_quant import prepare_act_quant, quantize_act_nvfp4
 from ..kernels.w4a4_gemm import prepare_w4a4_gemm, w4a4_gemm
 from ..kernels.w4a16_dequant import w4a16_dequant_mm
@@ -285,3 +286,42 @@ def prepare_moe_decode(plan, r: MoeReady):
             return down(inter, w2_codes, w2_scales.view(u8), w2_dec, topk_ids, emap, topk_weights, out)
 
     return run
+
+
+def _w4a16_tiers(plan, r: MoeReady):
+    """The W4A16 Triton tiers' ready layer: align → gate_up → down (fp32 sums) → top-k sum."""
+    routes = r.t * r.top_k
+    block_m = plan.block_m
+    nb = moe_align.max_blocks(routes, r.e, block_m)
+    det = r.deterministic
+    align = moe_align.prepare_moe_align(routes, r.top_k, r.e, r.global_e, block_m, r.device, has_map=r.has_map)
+    gate_up = moe_w4a16.prepare_moe_w4a16_gate_up(r.h, r.i, nb, block_m, activation=r.activation,
+                                                  **plan.gate_up_kwargs())
+    down = moe_w4a16.prepare_moe_w4a16_down(r.h, r.i, nb, block_m, deterministic=det, **plan.down_kwargs())
+    total = moe_align.prepare_moe_sum(r.t, r.h, r.top_k if det else 1)
+    acc_shape, inter_shape, device = (routes if det else r.t, r.h), (routes, r.i), r.device
+    u8 = torch.uint8
+
+    def run(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, expert_map, out):
+        acc = torch.zeros(acc_shape, dtype=torch.float32, device=device)
+        a = align(topk_ids, expert_map)
+        inter = gate_up(x, w13_codes, w13_scales.view(u8), w13_dec, a,
+                        torch.empty(inter_shape, dtype=x.dtype, device=device))
+        down(inter, w2_codes, w2_scales.view(u8), w2_dec, topk_weights, a, acc)
+        return total(acc, out)
+
+    return run
+
+
+# Plans with a ready layer launcher in the MoE flow, by (kernel, impl); the others run their validating launchers.
+READY_MOE: dict[tuple[MoeKernel, Impl], Callable] = {
+    (MoeKernel.W4A16, Impl.DECODE): prepare_moe_decode,
+    (MoeKernel.W4A16, Impl.TRITON): _w4a16_tiers,
+}
+
+
+def prepare_moe(plan, r: MoeReady):
+    """The ready layer launcher of ``plan`` for one call signature (see :func:`prepare_moe_decode`), or None
+    where the plan has none (:data:`READY_MOE`)."""
+    build = READY_MOE.get((plan.kernel, plan.impl))
+    return None if build is None else build(plan, r)
