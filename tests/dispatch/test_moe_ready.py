@@ -16,7 +16,7 @@ from vllm_nvfp4_sm120.dispatch import moe_flow
 from vllm_nvfp4_sm120.dispatch.hw import Capability
 from vllm_nvfp4_sm120.dispatch.moe import Impl, MoeKernel, decode_tier_plan, tier_plan
 from vllm_nvfp4_sm120.dispatch.registry import READY_MOE, MoeReady, prepare_moe
-from vllm_nvfp4_sm120.format import make_moe_bank, topk_route
+from vllm_nvfp4_sm120.format import GlobalScale, make_moe_bank, topk_route
 
 SM90 = Capability(90)
 ON_GPU = torch.cuda.is_available()
@@ -41,11 +41,12 @@ def _plan(case: str):
     if case == "split-k":
         plan = decode_tier_plan(SM90, 1, hidden=112, intermediate=96)
         return replace(plan, gate_up=replace(plan.gate_up, block_k=32, split_k=2)), 112, 96, False, False
-    if case.startswith("tiers"):  # the W4A16 Triton tiers: pure-tl decode, pointer loads in the interpreter
-        plan = tier_plan(SM90, MoeKernel.W4A16, 32, hidden=128, intermediate=64, impl=Impl.TRITON)
-        plan = replace(plan, fast_decode=False, gate_up=replace(plan.gate_up, use_tma=False),
+    if case.startswith("tiers"):  # the Triton tiers: pure-tl decode, pointer loads in the interpreter
+        kernel = MoeKernel.W4A4 if case.startswith("tiers-w4a4") else MoeKernel.W4A16
+        plan = tier_plan(SM90, kernel, 32, hidden=128, intermediate=64, impl=Impl.TRITON)
+        plan = replace(plan, fast_decode=False, decode=True, gate_up=replace(plan.gate_up, use_tma=False),
                        down=replace(plan.down, use_tma=False))
-        return plan, 128, 64, case == "tiers-det", case == "tiers-map"
+        return plan, 128, 64, case.endswith("-det"), case.endswith("-map")
     raise AssertionError(case)
 
 
@@ -72,18 +73,29 @@ def _ready(plan, a, emap, deterministic, activation="silu"):
 
 
 def test_ready_moe_kernels():
-    assert set(READY_MOE) == {(MoeKernel.W4A16, Impl.DECODE), (MoeKernel.W4A16, Impl.TRITON)}
+    assert set(READY_MOE) == {(MoeKernel.W4A16, Impl.DECODE), (MoeKernel.W4A16, Impl.TRITON),
+                              (MoeKernel.W4A4, Impl.TRITON)}
+
+
+def _enc(plan, x):
+    """The W4A4 plans' encode scales ``(a13_enc, a2_enc)``, else ``(None, None)``."""
+    if plan.kernel != MoeKernel.W4A4:
+        return None, None
+    return GlobalScale.of(x.float().cpu()).enc.reshape(1).to(x.device), GlobalScale.from_amax(8.0).enc.reshape(1).to(
+        x.device)
 
 
 @pytest.mark.parametrize("case", ["expert-atomic-tma", "expert-det", "token-map", "split-k", "tiers-atomic",
-                                  "tiers-det", "tiers-map"])
+                                  "tiers-det", "tiers-map", "tiers-w4a4-atomic", "tiers-w4a4-det", "tiers-w4a4-map"])
 def test_ready_layer_equals_validating_flow(case, gen):
     if ON_GPU:
         pytest.skip("the interpreter case; the GPU tests below cover CUDA")
     plan, h, i, deterministic, with_map = _plan(case)
     a, emap = _layer(gen, 3, 6, h, i, 2, with_map)
-    want = moe_flow.nvfp4_moe(*a, expert_map=emap, deterministic=deterministic, plan=plan)
-    got = _ready(plan, a, emap, deterministic)(*a, emap, torch.empty_like(a[0]))
+    enc = _enc(plan, a[0])
+    want = moe_flow.nvfp4_moe(*a, a13_enc=enc[0], a2_enc=enc[1], expert_map=emap, deterministic=deterministic,
+                              plan=plan)
+    got = _ready(plan, a, emap, deterministic)(*a, *enc, emap, torch.empty_like(a[0]))
     assert torch.equal(got, want)
 
 
@@ -97,8 +109,9 @@ def test_flow_keeps_no_ready_launcher_on_cpu(gen):
 
 def _gpu_plan(kind: str):
     """(plan, T, I) on H = 2048: a decode plan with either down kernel, or the W4A16 Triton tiers."""
-    if kind == "tiers":
-        return tier_plan(SM90, MoeKernel.W4A16, 32, hidden=2048, intermediate=768, impl=Impl.TRITON), 64, 768
+    if kind.startswith("tiers"):
+        kernel = MoeKernel.W4A4 if kind == "tiers-w4a4" else MoeKernel.W4A16
+        return tier_plan(SM90, kernel, 32, hidden=2048, intermediate=768, impl=Impl.TRITON), 64, 768
     i = 768 if kind == "expert" else 512
     plan = decode_tier_plan(SM90, 4, hidden=2048, intermediate=i)
     assert plan.decode_down == kind
@@ -107,11 +120,13 @@ def _gpu_plan(kind: str):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,deterministic", [("token", False), ("expert", True), ("expert", False),
-                                                ("tiers", True), ("tiers", False)])
+                                                ("tiers", True), ("tiers", False), ("tiers-w4a4", True)])
 def test_flow_second_call_takes_ready_launcher(kind, deterministic, gen):
     plan, t, i = _gpu_plan(kind)
     a, _ = _layer(gen, t, 8, 2048, i, 4, False, dtype=torch.bfloat16)
-    first = moe_flow.nvfp4_moe(*a, deterministic=deterministic, plan=plan)
+    a13, a2 = _enc(plan, a[0])
+    kw = dict(a13_enc=a13, a2_enc=a2, deterministic=deterministic, plan=plan)
+    first = moe_flow.nvfp4_moe(*a, **kw)
     (entry,) = moe_flow._CACHE.values()
     assert entry.ready is not None
     exact = kind == "token" or deterministic  # else fp32 atomics: the add order varies run to run
@@ -122,12 +137,12 @@ def test_flow_second_call_takes_ready_launcher(kind, deterministic, gen):
         else:
             torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-3)
 
-    same(moe_flow.nvfp4_moe(*a, deterministic=deterministic, plan=plan), first)
+    same(moe_flow.nvfp4_moe(*a, **kw), first)
     # Another layer's banks of the same signature: the ready launcher reads the new weights.
     b, _ = _layer(torch.Generator().manual_seed(99), t, 8, 2048, i, 4, False, dtype=torch.bfloat16)
-    other = moe_flow.nvfp4_moe(*a[:1], *b[1:7], *a[7:], deterministic=deterministic, plan=plan)
+    other = moe_flow.nvfp4_moe(*a[:1], *b[1:7], *a[7:], **kw)
     moe_flow.clear()
-    same(other, moe_flow.nvfp4_moe(*a[:1], *b[1:7], *a[7:], deterministic=deterministic, plan=plan))
+    same(other, moe_flow.nvfp4_moe(*a[:1], *b[1:7], *a[7:], **kw))
 
 
 @pytest.mark.gpu

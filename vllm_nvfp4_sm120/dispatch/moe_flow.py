@@ -12,7 +12,7 @@ the first call validates every tensor and selects the plan, later ones with the 
 (the key also holds what the selector reads besides the shapes: the policy's and the substitutions' generation,
 ``policy.generation()``, and the selector environment; ``configs.clear_cache`` forgets the entries).  The launchers
 still check their arguments, except on later GPU calls of a plan with a ready layer launcher
-(``registry.READY_MOE``: the decode plan, the W4A16 Triton tiers): the first call runs the validating launchers,
+(``registry.READY_MOE``: the decode plan, the Triton tiers): the first call runs the validating launchers,
 and the entry then keeps the ready one (``registry.prepare_moe``: grids, compile-time arguments and buffer sizes
 fixed, Triton's argument binding skipped), since nothing they check can change within a signature but the banks'
 addresses (whose TMA alignment the ready launches still check).
@@ -112,7 +112,7 @@ def nvfp4_moe(
         if out is None:
             out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         return entry.ready(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
-                           expert_map, out)
+                           a13_enc, a2_enc, expert_map, out)
     explicit_plan = plan is not None
     plan, deterministic, batch_invariant = entry.plan, entry.deterministic, entry.batch_invariant
     t = x.shape[0]

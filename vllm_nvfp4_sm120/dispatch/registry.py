@@ -11,7 +11,7 @@
   Kernels without a ready form (the vendor routes) run their validating adapter with the plan's tile bound.
 
 * :func:`prepare_moe`: the same for the MoE flow, per call signature (:data:`READY_MOE`: the decode plan's two
-  or three launches, the W4A16 Triton tiers' align, GEMMs and sum).
+  or three launches, the Triton tiers' align, (input quantization,) GEMMs and sum).
 
 Plus the Gluon gemv on the tile the dispatch picks (:func:`gemv`), for tools and tests that call it directly.
 """
@@ -255,7 +255,8 @@ class MoeReady:
 def prepare_moe_decode(plan, r: MoeReady):
     """The decode plan's ready layer launcher for one call signature (the flow's checks and the launchers' passed
     on its first call): ``run(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights,
-    topk_ids, expert_map, out) -> out``, the same launches as the flow's decode path, checking nothing; T > 0."""
+    topk_ids, a13_enc, a2_enc, expert_map, out) -> out`` (the arguments of ``nvfp4_moe``; the encode scales unused
+    here), the same launches as the flow's decode path, checking nothing; T > 0."""
     by_expert = plan.decode_down == DecodeDown.EXPERT
     zeroed = by_expert and not r.deterministic  # atomic mode: the gate_up kernel zeroes the workspace
     dims = (r.t, r.h, r.i, r.e, r.top_k, r.global_e, r.device)
@@ -268,8 +269,8 @@ def prepare_moe_decode(plan, r: MoeReady):
         down = moe_decode.prepare_moe_decode_down_expert(*dims, tile=plan.down, has_map=has_map,
                                                          deterministic=r.deterministic)
 
-        def run(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, expert_map,
-                out):
+        def run(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, a13_enc,
+                a2_enc, expert_map, out):
             topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
             emap = expert_map if has_map else topk_ids
             ws = torch.empty(numel, dtype=torch.float32, device=device)
@@ -278,8 +279,8 @@ def prepare_moe_decode(plan, r: MoeReady):
     else:
         down = moe_decode.prepare_moe_decode_down_token(*dims, tile=plan.down, has_map=has_map)
 
-        def run(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, expert_map,
-                out):
+        def run(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, a13_enc,
+                a2_enc, expert_map, out):
             topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
             emap = expert_map if has_map else topk_ids
             inter = gate_up(x, w13_codes, w13_scales.view(u8), w13_dec, topk_ids, emap)
@@ -302,7 +303,8 @@ def _w4a16_tiers(plan, r: MoeReady):
     acc_shape, inter_shape, device = (routes if det else r.t, r.h), (routes, r.i), r.device
     u8 = torch.uint8
 
-    def run(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, expert_map, out):
+    def run(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, a13_enc, a2_enc,
+            expert_map, out):
         acc = torch.zeros(acc_shape, dtype=torch.float32, device=device)
         a = align(topk_ids, expert_map)
         inter = gate_up(x, w13_codes, w13_scales.view(u8), w13_dec, a,
@@ -313,10 +315,43 @@ def _w4a16_tiers(plan, r: MoeReady):
     return run
 
 
+def _w4a4_tiers(plan, r: MoeReady):
+    """The W4A4 Triton tiers' ready layer: align → input quantization → gate_up (FP4 intermediate) → down (fp32
+    sums) → top-k sum."""
+    routes = r.t * r.top_k
+    block_m = plan.block_m
+    nb = moe_align.max_blocks(routes, r.e, block_m)
+    det = r.deterministic
+    align = moe_align.prepare_moe_align(routes, r.top_k, r.e, r.global_e, block_m, r.device, has_map=r.has_map)
+    quant = prepare_act_quant(r.t, r.h, r.device, **act_quant_config(r.t, r.h))
+    gate_up = moe_w4a4.prepare_moe_w4a4_gate_up(r.h, r.i, nb, block_m, r.device, activation=r.activation,
+                                                **plan.gate_up_kwargs())
+    down = moe_w4a4.prepare_moe_w4a4_down(r.h, r.i, nb, block_m, deterministic=det, **plan.down_kwargs())
+    total = moe_align.prepare_moe_sum(r.t, r.h, r.top_k if det else 1)
+    acc_shape, device = (routes if det else r.t, r.h), r.device
+    codes_shape, scales_shape = (routes, r.i // 2), (routes, r.i // 16)
+    u8 = torch.uint8
+
+    def run(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, a13_enc, a2_enc,
+            expert_map, out):
+        acc = torch.zeros(acc_shape, dtype=torch.float32, device=device)
+        a = align(topk_ids, expert_map)
+        a13, a2 = a13_enc.reshape(1), a2_enc.reshape(1)
+        a_codes, a_scales = quant(x, a13)
+        i_codes, i_scales = gate_up(a_codes, a_scales.view(u8), w13_codes, w13_scales.view(u8), w13_dec, a13, a2, a,
+                                    torch.empty(codes_shape, dtype=u8, device=device),
+                                    torch.empty(scales_shape, dtype=u8, device=device))
+        down(i_codes, i_scales, w2_codes, w2_scales.view(u8), w2_dec, a2, topk_weights, a, acc)
+        return total(acc, out)
+
+    return run
+
+
 # Plans with a ready layer launcher in the MoE flow, by (kernel, impl); the others run their validating launchers.
 READY_MOE: dict[tuple[MoeKernel, Impl], Callable] = {
     (MoeKernel.W4A16, Impl.DECODE): prepare_moe_decode,
     (MoeKernel.W4A16, Impl.TRITON): _w4a16_tiers,
+    (MoeKernel.W4A4, Impl.TRITON): _w4a4_tiers,
 }
 
 
