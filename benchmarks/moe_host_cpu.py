@@ -119,7 +119,8 @@ def main() -> None:
             # always validates): the ready layer launcher, Triton's launches stubbed.
             ready = prepare_moe_decode(plan, MoeReady(t, s["h"], s["i"], s["e"], s["top_k"], s["e"], x.device, False,
                                                       "silu", False))
-            rows["ready decode layer (stubbed)"] = lambda: ready(x, w13c, w13s, d13, w2c, w2s, d2, tw, ti, None, None, None, out)
+            rows["ready decode layer (stubbed)"] = lambda: ready(x, w13c, w13s, d13, w2c, w2s, d2, tw, ti, None, None,
+                                                                 None, out)
         print(f"T = {t} ({plan.impl}, {plan.tier}):")
         for name, fn in rows.items():
             calls, checks = calls_per_call(fn)
