@@ -7,7 +7,10 @@ exceeds the layer's GPU time the GPU idles.  Method (eager, tiny shapes so the G
   much larger, the GPU, not the host, bounded the loop); median over ``ROUNDS`` rounds, after warm-up calls;
 - kernels per call are counted in a separate, untimed pass with the torch profiler (Triton kernels, cuBLAS, memsets);
 - a cuBLAS ``x @ w.t()`` and trivial Triton launches are measured in the same run: host speed varies by machine, so
-  the ratios to them are what compare across machines (goal: an op ≤ 2 x a trivial launch per kernel it launches).
+  the ratios to them are what compare across machines (goal: an op ≤ 2 x a trivial launch per kernel it launches);
+- ``JIT-path launches/call``: the launches of the plugin's ready kernels (``kernels/launch.py``) that went through
+  Triton's JIT path instead of the fast path, per call (about 0 when the fast path is in effect; >= 1 means a
+  ready kernel falls back on every call); one Triton launch, the decode gate_up kernel, is also timed both ways.
 
 ``--cold``: compile time of two Qwen3-30B-A3B linear shapes and one of its MoE layers over vLLM's capture sizes
 (and 1k-8k), in a child process with an empty ``TRITON_CACHE_DIR`` (cold), then again with that cache (warm).
@@ -106,6 +109,9 @@ def _noop_ops():
 
 
 def _row(rows, name: str, fn, *, note: str = "", kernels: float | None = None, count: bool = True):
+    from .kernels import launch
+
+    jit0 = launch.jit_launches
     try:
         us, synced = host_us(fn)
     except Exception as e:  # a route this GPU cannot run: say why, keep going
@@ -113,11 +119,15 @@ def _row(rows, name: str, fn, *, note: str = "", kernels: float | None = None, c
                                                                                    f"{str(e).splitlines()[0][:160]}"))
         print(f"{name:58} not run: {rows[-1]['note']}", flush=True)
         return
+    # Ready-kernel launches that took Triton's JIT path, per call of the timed loops (warm-up included): about 0
+    # where the fast path is in effect, >= 1 per ready kernel of the call where it is not.
+    jit = (launch.jit_launches - jit0) / (3 + CALLS * ROUNDS)
     if kernels is None and count:
         kernels = kernels_per_call(fn)
-    rows.append(dict(call=name, host_us=us, synced_us=synced, kernels=kernels, note=note))
+    rows.append(dict(call=name, host_us=us, synced_us=synced, kernels=kernels, jit_path_per_call=jit, note=note))
     k = f"{kernels:4.1f}" if kernels is not None else "   ?"
-    print(f"{name:58} {us:8.1f} us  (synced {synced:8.1f})  kernels/call {k}  {note}", flush=True)
+    print(f"{name:58} {us:8.1f} us  (synced {synced:8.1f})  kernels/call {k}  JIT-path launches/call {jit:5.2f}  "
+          f"{note}", flush=True)
 
 
 def _fast(ready) -> bool:
@@ -175,8 +185,9 @@ def bench_host() -> dict:
     _row(rows, "trivial Triton launch (12 args)", lambda: _trivial_12[(1,)](buf, buf, buf, buf, buf, buf,
                                                                            1, 2, 3, 4, 5, 6, BLOCK=16))
     ready_12 = ReadyKernel(_trivial_12, (1,), BLOCK=16)
-    _row(rows, "trivial Triton launch (12 args), ReadyKernel", lambda: ready_12(buf, buf, buf, buf, buf, buf,
-                                                                               1, 2, 3, 4, 5, 6),
+    args_12 = (buf, buf, buf, buf, buf, buf, 1, 2, 3, 4, 5, 6)
+    ready_12(*args_12)  # the JIT's launch: the variant the fast path then takes
+    _row(rows, "trivial Triton launch (12 args), ReadyKernel", lambda: ready_12(*args_12),
          note="fast path" if _fast(ready_12) else "JIT path (fast path unavailable)")
     lib, noop, noop_custom = _noop_ops()
     _row(rows, "no-op op, torch.library.Library define + impl", lambda: noop(x1), count=False)

@@ -38,6 +38,8 @@ except Exception:  # pragma: no cover - depends on the installed Triton
     _JITFunction = None
 
 ENABLED = True
+# Launches ready kernels sent through the JIT path (first calls, fallbacks), for benchmarks' diagnostics.
+jit_launches = 0
 
 # Arguments compared by type and value.
 _SCALAR_TYPES = (int, float, bool, type(None))
@@ -175,6 +177,8 @@ class ReadyKernel:
 
     def _jit(self, args: tuple):
         """Triton's path; remembers the variant it launched when the fast path can take it next time."""
+        global jit_launches
+        jit_launches += 1
         compiled = self._launch(*args, **self.const)
         if self._params is None or len(args) != len(self._params) or not isinstance(compiled, _CompiledKernel):
             return
