@@ -163,3 +163,25 @@ def test_flow_ready_launcher_under_cuda_graph(gen):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+def test_flow_hit_runs_the_entrys_ready_launcher(gen):
+    """The flow's wiring: a signature whose entry holds a ready launcher calls it with nvfp4_moe's arguments (and
+    a fresh ``out`` when none is given); another signature does not."""
+    plan, h, i, _, _ = _plan("expert-det")
+    a, _ = _layer(gen, 2, 4, h, i, 2, False)
+    moe_flow.nvfp4_moe(*a, plan=plan)
+    (entry,) = moe_flow._CACHE.values()
+    seen = []
+
+    def spy(*args):
+        seen.append(args)
+        return args[-1].fill_(7)
+
+    entry.ready = spy
+    got = moe_flow.nvfp4_moe(*a, plan=plan)
+    assert len(seen) == 1 and torch.equal(got, torch.full_like(a[0], 7))
+    assert all(x is y for x, y in zip(seen[0][:9], a)) and seen[0][9:12] == (None, None, None)
+    assert seen[0][12].shape == a[0].shape and seen[0][12].dtype == a[0].dtype
+    moe_flow.nvfp4_moe(*a, plan=plan, deterministic=True)  # another signature: its own entry, no ready launcher
+    assert len(seen) == 1
