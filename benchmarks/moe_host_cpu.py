@@ -117,8 +117,8 @@ def main() -> None:
                 inter, w2c, w2s, d2, ti, tw, tile=plan.down, out=out)
             # What a GPU call of a cached decode signature runs after the flow's lookup (the flow's CPU path
             # always validates): the ready layer launcher, Triton's launches stubbed.
-            ready = prepare_moe_decode(plan, MoeReady(t, s["h"], s["i"], s["e"], s["top_k"], s["e"], x.device, False,
-                                                      "silu", False))
+            ready = prepare_moe_decode(plan, MoeReady(t, s["h"], s["i"], s["e"], s["top_k"], s["e"], x.device, x.dtype,
+                                                      False, "silu", False))
             rows["ready decode layer (stubbed)"] = lambda: ready(x, w13c, w13s, d13, w2c, w2s, d2, tw, ti, None, None,
                                                                  None, out)
         print(f"T = {t} ({plan.impl}, {plan.tier}):")

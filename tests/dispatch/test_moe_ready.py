@@ -1,10 +1,11 @@
-"""The MoE flow's ready layer launchers (``registry.prepare_moe``: the decode plan, the W4A16 Triton tiers) against
-the flow's validating path.
+"""The MoE flow's ready layer launchers (``registry.prepare_moe``: the decode plan, the tiers) against the flow's
+validating path.
 
 CPU: the interpreter runs both on the same tensors (the flow with an explicit plan runs the validating launchers
-there); the results must be bit-identical.  GPU (``-m gpu``): the flow's second call of a signature takes the ready
-launcher, and gives the first call's bits (token-major and deterministic plans), also on another layer's banks of
-the same signature and under CUDA-graph capture.
+there; the Gluon GEMMs do not run in it); the results must be bit-identical.  GPU (``-m gpu``): the flow's second
+call of a signature takes the ready launcher, and gives the first call's bits (token-major and deterministic
+plans; the Triton and Gluon tiers too), also on another layer's banks of the same signature and under CUDA-graph
+capture.
 """
 
 from dataclasses import replace
@@ -17,8 +18,9 @@ from vllm_nvfp4_sm120.dispatch.hw import Capability
 from vllm_nvfp4_sm120.dispatch.moe import Impl, MoeKernel, decode_tier_plan, tier_plan
 from vllm_nvfp4_sm120.dispatch.registry import READY_MOE, MoeReady, prepare_moe
 from vllm_nvfp4_sm120.format import GlobalScale, make_moe_bank, topk_route
+from vllm_nvfp4_sm120.kernels.gluon_compat import HAS_GLUON
 
-SM90 = Capability(90)
+SM90, SM120 = Capability(90), Capability(120)
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 
@@ -69,12 +71,14 @@ def _ready(plan, a, emap, deterministic, activation="silu"):
     x, w13c, _, _, w2c, _, _, _, ti = a
     return prepare_moe(plan, MoeReady(
         x.shape[0], x.shape[1], w2c.shape[2] * 2, w13c.shape[0], ti.shape[1],
-        emap.shape[0] if emap is not None else w13c.shape[0], x.device, emap is not None, activation, deterministic))
+        emap.shape[0] if emap is not None else w13c.shape[0], x.device, x.dtype, emap is not None, activation,
+        deterministic))
 
 
 def test_ready_moe_kernels():
     assert set(READY_MOE) == {(MoeKernel.W4A16, Impl.DECODE), (MoeKernel.W4A16, Impl.TRITON),
-                              (MoeKernel.W4A4, Impl.TRITON)}
+                              (MoeKernel.W4A4, Impl.TRITON), (MoeKernel.W4A16, Impl.GLUON),
+                              (MoeKernel.W4A4, Impl.GLUON)}
 
 
 def _enc(plan, x):
@@ -109,8 +113,10 @@ def test_flow_keeps_no_ready_launcher_on_cpu(gen):
 
 def _gpu_plan(kind: str):
     """(plan, T, I) on H = 2048: a decode plan with either down kernel, or the W4A16 Triton tiers."""
-    if kind.startswith("tiers"):
-        kernel = MoeKernel.W4A4 if kind == "tiers-w4a4" else MoeKernel.W4A16
+    if kind.startswith("tiers") or kind.startswith("gluon"):
+        kernel = MoeKernel.W4A4 if kind.endswith("w4a4") else MoeKernel.W4A16
+        if kind.startswith("gluon"):  # the sm_120 tiers' Gluon GEMMs (persistent), which also run on sm_90
+            return tier_plan(SM120, kernel, 64, hidden=2048, intermediate=768, impl=Impl.GLUON), 64, 768
         return tier_plan(SM90, kernel, 32, hidden=2048, intermediate=768, impl=Impl.TRITON), 64, 768
     i = 768 if kind == "expert" else 512
     plan = decode_tier_plan(SM90, 4, hidden=2048, intermediate=i)
@@ -120,8 +126,11 @@ def _gpu_plan(kind: str):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,deterministic", [("token", False), ("expert", True), ("expert", False),
-                                                ("tiers", True), ("tiers", False), ("tiers-w4a4", True)])
+                                                ("tiers", True), ("tiers", False), ("tiers-w4a4", True),
+                                                ("gluon", True), ("gluon-w4a4", True)])
 def test_flow_second_call_takes_ready_launcher(kind, deterministic, gen):
+    if kind.startswith("gluon") and not HAS_GLUON:
+        pytest.skip("needs Gluon (Triton >= 3.8)")
     plan, t, i = _gpu_plan(kind)
     a, _ = _layer(gen, t, 8, 2048, i, 4, False, dtype=torch.bfloat16)
     a13, a2 = _enc(plan, a[0])

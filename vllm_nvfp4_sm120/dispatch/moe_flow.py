@@ -12,7 +12,7 @@ the first call validates every tensor and selects the plan, later ones with the 
 (the key also holds what the selector reads besides the shapes: the policy's and the substitutions' generation,
 ``policy.generation()``, and the selector environment; ``configs.clear_cache`` forgets the entries).  The launchers
 still check their arguments, except on later GPU calls of a plan with a ready layer launcher
-(``registry.READY_MOE``: the decode plan, the Triton tiers): the first call runs the validating launchers,
+(``registry.READY_MOE``: the decode plan and the tiers, Triton and Gluon): the first call runs the validating launchers,
 and the entry then keeps the ready one (``registry.prepare_moe``: grids, compile-time arguments and buffer sizes
 fixed, Triton's argument binding skipped), since nothing they check can change within a signature but the banks'
 addresses (whose TMA alignment the ready launches still check).
@@ -136,8 +136,8 @@ def nvfp4_moe(
         # The validating launchers passed for this signature: later calls launch the same kernels directly.
         entry.ready = prepare_moe(plan, MoeReady(
             t, x.shape[1], w2_codes.shape[2] * 2, w13_codes.shape[0], topk_ids.shape[1],
-            expert_map.shape[0] if expert_map is not None else w13_codes.shape[0], x.device, expert_map is not None,
-            activation, deterministic))
+            expert_map.shape[0] if expert_map is not None else w13_codes.shape[0], x.device, x.dtype,
+            expert_map is not None, activation, deterministic))
     return out
 
 

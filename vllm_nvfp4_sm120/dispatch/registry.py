@@ -11,7 +11,7 @@
   Kernels without a ready form (the vendor routes) run their validating adapter with the plan's tile bound.
 
 * :func:`prepare_moe`: the same for the MoE flow, per call signature (:data:`READY_MOE`: the decode plan's two
-  or three launches, the Triton tiers' align, (input quantization,) GEMMs and sum).
+  or three launches, the tiers' align, (input quantization,) GEMMs and sum).
 
 Plus the Gluon gemv on the tile the dispatch picks (:func:`gemv`), for tools and tests that call it directly.
 """
@@ -247,6 +247,7 @@ class MoeReady:
     top_k: int
     global_e: int
     device: torch.device
+    dtype: torch.dtype  # x's
     has_map: bool
     activation: str
     deterministic: bool
@@ -290,15 +291,21 @@ def prepare_moe_decode(plan, r: MoeReady):
 
 
 def _w4a16_tiers(plan, r: MoeReady):
-    """The W4A16 Triton tiers' ready layer: align → gate_up → down (fp32 sums) → top-k sum."""
+    """The W4A16 tiers' ready layer (Triton or Gluon GEMMs): align → gate_up → down (fp32 sums) → top-k sum."""
     routes = r.t * r.top_k
     block_m = plan.block_m
     nb = moe_align.max_blocks(routes, r.e, block_m)
     det = r.deterministic
     align = moe_align.prepare_moe_align(routes, r.top_k, r.e, r.global_e, block_m, r.device, has_map=r.has_map)
-    gate_up = moe_w4a16.prepare_moe_w4a16_gate_up(r.h, r.i, nb, block_m, activation=r.activation,
-                                                  **plan.gate_up_kwargs())
-    down = moe_w4a16.prepare_moe_w4a16_down(r.h, r.i, nb, block_m, deterministic=det, **plan.down_kwargs())
+    if plan.impl == Impl.GLUON:
+        gate_up = gluon_moe_w4a16.prepare_gluon_moe_w4a16_gate_up(r.h, r.i, nb, block_m, r.device, r.dtype,
+                                                                  activation=r.activation, **plan.gate_up_kwargs())
+        down = gluon_moe_w4a16.prepare_gluon_moe_w4a16_down(r.h, r.i, nb, block_m, r.device, r.dtype,
+                                                            deterministic=det, **plan.down_kwargs())
+    else:
+        gate_up = moe_w4a16.prepare_moe_w4a16_gate_up(r.h, r.i, nb, block_m, activation=r.activation,
+                                                      **plan.gate_up_kwargs())
+        down = moe_w4a16.prepare_moe_w4a16_down(r.h, r.i, nb, block_m, deterministic=det, **plan.down_kwargs())
     total = moe_align.prepare_moe_sum(r.t, r.h, r.top_k if det else 1)
     acc_shape, inter_shape, device = (routes if det else r.t, r.h), (routes, r.i), r.device
     u8 = torch.uint8
@@ -316,17 +323,23 @@ def _w4a16_tiers(plan, r: MoeReady):
 
 
 def _w4a4_tiers(plan, r: MoeReady):
-    """The W4A4 Triton tiers' ready layer: align → input quantization → gate_up (FP4 intermediate) → down (fp32
-    sums) → top-k sum."""
+    """The W4A4 tiers' ready layer (Triton or Gluon GEMMs): align → input quantization → gate_up (FP4
+    intermediate) → down (fp32 sums) → top-k sum."""
     routes = r.t * r.top_k
     block_m = plan.block_m
     nb = moe_align.max_blocks(routes, r.e, block_m)
     det = r.deterministic
     align = moe_align.prepare_moe_align(routes, r.top_k, r.e, r.global_e, block_m, r.device, has_map=r.has_map)
     quant = prepare_act_quant(r.t, r.h, r.device, **act_quant_config(r.t, r.h))
-    gate_up = moe_w4a4.prepare_moe_w4a4_gate_up(r.h, r.i, nb, block_m, r.device, activation=r.activation,
-                                                **plan.gate_up_kwargs())
-    down = moe_w4a4.prepare_moe_w4a4_down(r.h, r.i, nb, block_m, deterministic=det, **plan.down_kwargs())
+    if plan.impl == Impl.GLUON:
+        gate_up = gluon_moe_w4a4.prepare_gluon_moe_w4a4_gate_up(r.h, r.i, nb, block_m, r.device,
+                                                                activation=r.activation, **plan.gate_up_kwargs())
+        down = gluon_moe_w4a4.prepare_gluon_moe_w4a4_down(r.h, r.i, nb, block_m, r.device, deterministic=det,
+                                                          **plan.down_kwargs())
+    else:
+        gate_up = moe_w4a4.prepare_moe_w4a4_gate_up(r.h, r.i, nb, block_m, r.device, activation=r.activation,
+                                                    **plan.gate_up_kwargs())
+        down = moe_w4a4.prepare_moe_w4a4_down(r.h, r.i, nb, block_m, deterministic=det, **plan.down_kwargs())
     total = moe_align.prepare_moe_sum(r.t, r.h, r.top_k if det else 1)
     acc_shape, device = (routes if det else r.t, r.h), r.device
     codes_shape, scales_shape = (routes, r.i // 2), (routes, r.i // 16)
@@ -352,6 +365,8 @@ READY_MOE: dict[tuple[MoeKernel, Impl], Callable] = {
     (MoeKernel.W4A16, Impl.DECODE): prepare_moe_decode,
     (MoeKernel.W4A16, Impl.TRITON): _w4a16_tiers,
     (MoeKernel.W4A4, Impl.TRITON): _w4a4_tiers,
+    (MoeKernel.W4A16, Impl.GLUON): _w4a16_tiers,
+    (MoeKernel.W4A4, Impl.GLUON): _w4a4_tiers,
 }
 
 
