@@ -194,3 +194,47 @@ def test_flow_hit_runs_the_entrys_ready_launcher(gen):
     assert seen[0][12].shape == a[0].shape and seen[0][12].dtype == a[0].dtype
     moe_flow.nvfp4_moe(*a, plan=plan, deterministic=True)  # another signature: its own entry, no ready launcher
     assert len(seen) == 1
+
+
+class _Recorder:
+    """Stands for a kernel: records each launch's grid and its arguments' metadata (the kernels do not run)."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            meta = [(tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor)
+                    else (tuple(a.shape), tuple(a.strides), tuple(a.block_shape)) if hasattr(a, "block_shape")
+                    else a for a in args]
+            self.log.append((self.name, tuple(grid), meta, kw))
+
+        return launch
+
+
+@pytest.mark.parametrize("kernel", [MoeKernel.W4A16, MoeKernel.W4A4])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+def test_gluon_tiers_ready_layer_launches_what_the_flow_launches(kernel, deterministic, gen, monkeypatch):
+    """The Gluon GEMMs do not run in the interpreter: every kernel of the layer is recorded instead, and the ready
+    layer must make the validating flow's launches, grids, argument layouts and compile-time arguments alike."""
+    from vllm_nvfp4_sm120.kernels import act_quant, gluon_moe_w4a4, gluon_moe_w4a16, moe_align
+
+    log = []
+    for mod in (gluon_moe_w4a16, gluon_moe_w4a4, moe_align, act_quant):
+        for name in [n for n in vars(mod) if n.startswith("_") and n.endswith("_kernel")]:
+            monkeypatch.setattr(mod, name, _Recorder(name, log))
+    for mod in (gluon_moe_w4a16, gluon_moe_w4a4):
+        monkeypatch.setattr(mod, "require_gluon", lambda fn: None)
+    monkeypatch.setattr(gluon_moe_w4a16, "default_decode", lambda device, dtype: 1)  # GPU queries, on CPU
+    monkeypatch.setattr(gluon_moe_w4a4, "default_decode", lambda device: True)
+    plan = tier_plan(SM120, kernel, 64, hidden=2048, intermediate=768, impl=Impl.GLUON)
+    plan = replace(plan, gate_up=replace(plan.gate_up, persistent=False, use_tma=False),  # no SM count, no TMA
+                   down=replace(plan.down, persistent=False, use_tma=False, epilogue_warps=0))
+    a, _ = _layer(gen, 5, 4, 256, 128, 2, False)
+    enc = (torch.ones(1), torch.ones(1)) if kernel == MoeKernel.W4A4 else (None, None)
+    moe_flow.nvfp4_moe(*a, a13_enc=enc[0], a2_enc=enc[1], deterministic=deterministic, plan=plan)
+    flow = list(log)
+    log.clear()
+    _ready(plan, a, None, deterministic)(*a, *enc, None, torch.empty_like(a[0]))
+    assert [c[0] for c in flow].count(f"_gluon_moe_{kernel}_kernel") == 2
+    assert log == flow
