@@ -28,7 +28,7 @@ from ..kernels import (fp4_routes, gluon_gemv, gluon_moe_w4a4, gluon_moe_w4a16, 
                        moe_w4a16)
 from ..kernels.act_quant import prepare_act_quant, quantize_act_nvfp4
 from ..kernels.w4a4_gemm import prepare_w4a4_gemm, w4a4_gemm
-from ..kernels.w4a16_dequant import w4a16_dequant_mm
+from ..kernels.w4a16_dequant import prepare_w4a16_dequant_mm, w4a16_dequant_mm
 from ..kernels.w4a16_linear import prepare_w4a16_gemm, prepare_w4a16_gemv, w4a16_gemm, w4a16_gemv
 from . import vendor
 from .hw import capability_of
@@ -187,6 +187,7 @@ READY_LINEAR: dict[LinearKernel, Callable[..., Callable[..., torch.Tensor]]] = {
     LinearKernel.W4A4_TRITON: _ready_w4a4_triton,
     LinearKernel.W4A16_GEMV: _ready_w4a16(prepare_w4a16_gemv),
     LinearKernel.W4A16_GEMM: _ready_w4a16(prepare_w4a16_gemm),
+    LinearKernel.W4A16_DEQUANT_MM: _ready_w4a16(prepare_w4a16_dequant_mm),
     LinearKernel.GLUON_GEMV_FMA: _ready_gluon("fma", gluon_gemv.FmaTile),
     LinearKernel.GLUON_GEMV_MMA: _ready_gluon("mma", gluon_gemv.MmaTile),
 }
