@@ -26,6 +26,7 @@ import torch  # noqa: E402
 from vllm_nvfp4_sm120.dispatch import moe_flow  # noqa: E402
 from vllm_nvfp4_sm120.dispatch.hw import Capability  # noqa: E402
 from vllm_nvfp4_sm120.dispatch.moe import decode_tier_plan, select_moe_plan  # noqa: E402
+from vllm_nvfp4_sm120.dispatch.registry import MoeReady, prepare_moe_decode  # noqa: E402
 from vllm_nvfp4_sm120.format import make_moe_bank, topk_route  # noqa: E402
 from vllm_nvfp4_sm120.kernels import moe_align, moe_common, moe_decode, moe_w4a4, moe_w4a16  # noqa: E402
 
@@ -114,6 +115,12 @@ def main() -> None:
             inter = torch.empty(t * s["top_k"], s["i"], dtype=x.dtype)
             rows["decode down launcher (stubbed)"] = lambda: moe_decode.moe_decode_down_token(
                 inter, w2c, w2s, d2, ti, tw, tile=plan.down, out=out)
+            # What a GPU call of a cached decode signature runs after the flow's lookup (the flow's CPU path
+            # always validates): the ready layer launcher, Triton's launches stubbed.
+            ready = prepare_moe_decode(plan, MoeReady(t, s["h"], s["i"], s["e"], s["top_k"], s["e"], x.device, x.dtype,
+                                                      False, "silu", False))
+            rows["ready decode layer (stubbed)"] = lambda: ready(x, w13c, w13s, d13, w2c, w2s, d2, tw, ti, None, None,
+                                                                 None, out)
         print(f"T = {t} ({plan.impl}, {plan.tier}):")
         for name, fn in rows.items():
             calls, checks = calls_per_call(fn)

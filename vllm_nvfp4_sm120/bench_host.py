@@ -7,7 +7,10 @@ exceeds the layer's GPU time the GPU idles.  Method (eager, tiny shapes so the G
   much larger, the GPU, not the host, bounded the loop); median over ``ROUNDS`` rounds, after warm-up calls;
 - kernels per call are counted in a separate, untimed pass with the torch profiler (Triton kernels, cuBLAS, memsets);
 - a cuBLAS ``x @ w.t()`` and trivial Triton launches are measured in the same run: host speed varies by machine, so
-  the ratios to them are what compare across machines (goal: an op ≤ 2 x a trivial launch per kernel it launches).
+  the ratios to them are what compare across machines (goal: an op ≤ 2 x a trivial launch per kernel it launches);
+- ``JIT-path launches/call``: the launches of the plugin's ready kernels (``kernels/launch.py``) that went through
+  Triton's JIT path instead of the fast path, per call (about 0 when the fast path is in effect; >= 1 means a
+  ready kernel falls back on every call); one Triton launch, the decode gate_up kernel, is also timed both ways.
 
 ``--cold``: compile time of two Qwen3-30B-A3B linear shapes and one of its MoE layers over vLLM's capture sizes
 (and 1k-8k), in a child process with an empty ``TRITON_CACHE_DIR`` (cold), then again with that cache (warm).
@@ -106,6 +109,9 @@ def _noop_ops():
 
 
 def _row(rows, name: str, fn, *, note: str = "", kernels: float | None = None, count: bool = True):
+    from .kernels import launch
+
+    jit0 = launch.jit_launches
     try:
         us, synced = host_us(fn)
     except Exception as e:  # a route this GPU cannot run: say why, keep going
@@ -113,11 +119,42 @@ def _row(rows, name: str, fn, *, note: str = "", kernels: float | None = None, c
                                                                                    f"{str(e).splitlines()[0][:160]}"))
         print(f"{name:58} not run: {rows[-1]['note']}", flush=True)
         return
+    # Ready-kernel launches that took Triton's JIT path, per call of the timed loops (warm-up included): about 0
+    # where the fast path is in effect, >= 1 per ready kernel of the call where it is not.
+    jit = (launch.jit_launches - jit0) / (3 + CALLS * ROUNDS)
     if kernels is None and count:
         kernels = kernels_per_call(fn)
-    rows.append(dict(call=name, host_us=us, synced_us=synced, kernels=kernels, note=note))
+    rows.append(dict(call=name, host_us=us, synced_us=synced, kernels=kernels, jit_path_per_call=jit, note=note))
     k = f"{kernels:4.1f}" if kernels is not None else "   ?"
-    print(f"{name:58} {us:8.1f} us  (synced {synced:8.1f})  kernels/call {k}  {note}", flush=True)
+    print(f"{name:58} {us:8.1f} us  (synced {synced:8.1f})  kernels/call {k}  JIT-path launches/call {jit:5.2f}  "
+          f"{note}", flush=True)
+
+
+def _fast(ready) -> bool:
+    """Whether a ready kernel's last call took (and its next will take) the fast path."""
+    return ready._variant is not None
+
+
+def _decode_gate_up_rows(rows, plan, x, w13, d13, ti) -> None:
+    """One heavy kernel (the decode gate_up, ~45 arguments with its constexprs) launched by Triton's JIT path and by
+    the ready kernel's fast path: the same ready launcher, built with the fast path off and on."""
+    from .kernels import launch
+    from .kernels.moe_decode import prepare_moe_decode_gate_up
+
+    t, h = x.shape
+    e, two_i = w13.codes.shape[:2]
+    sf = w13.scales.view(torch.uint8)
+    for fast in (False, True):
+        launch.ENABLED = fast
+        try:
+            run = prepare_moe_decode_gate_up(t, h, two_i // 2, e, ti.shape[1], e, x.device, tile=plan.gate_up,
+                                             activation="silu", has_map=False, zero_numel=None)
+        finally:
+            launch.ENABLED = True
+        out = torch.empty((t * ti.shape[1], two_i // 2), dtype=x.dtype, device=x.device)
+        _row(rows, f"  decode gate_up ready launcher, {'fast' if fast else 'JIT'} path T={t}",
+             lambda run=run, out=out: run(x, w13.codes, sf, d13, ti, ti, out), count=False, kernels=1.0,
+             note="TMA descriptors made per call" if plan.gate_up.use_tma else "")
 
 
 def bench_host() -> dict:
@@ -129,6 +166,7 @@ def bench_host() -> dict:
     from .dispatch.moe_flow import plan_for
     from .dispatch.registry import LINEAR_KERNELS
     from .format.swizzle import swizzle_128x4
+    from .kernels.launch import ReadyKernel
 
     dev = torch.device("cuda")
     cap = capability_of(dev)
@@ -146,6 +184,11 @@ def bench_host() -> dict:
     _row(rows, "trivial Triton launch (1 arg)", lambda: _trivial[(1,)](buf))
     _row(rows, "trivial Triton launch (12 args)", lambda: _trivial_12[(1,)](buf, buf, buf, buf, buf, buf,
                                                                            1, 2, 3, 4, 5, 6, BLOCK=16))
+    ready_12 = ReadyKernel(_trivial_12, (1,), BLOCK=16)
+    args_12 = (buf, buf, buf, buf, buf, buf, 1, 2, 3, 4, 5, 6)
+    ready_12(*args_12)  # the JIT's launch: the variant the fast path then takes
+    _row(rows, "trivial Triton launch (12 args), ReadyKernel", lambda: ready_12(*args_12),
+         note="fast path" if _fast(ready_12) else "JIT path (fast path unavailable)")
     lib, noop, noop_custom = _noop_ops()
     _row(rows, "no-op op, torch.library.Library define + impl", lambda: noop(x1), count=False)
     _row(rows, "no-op op, torch.library.custom_op", lambda: noop_custom(x1), count=False)
@@ -193,6 +236,8 @@ def bench_host() -> dict:
              lambda x=x, tw=tw, ti=ti, out=out, a=a: torch.ops.nvfp4_sm120.moe(
                  x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, a, a, None, "silu", False, out),
              note=f"{plan.kernel} {plan.impl} block_m={plan.block_m}")
+        if t == 1 and not w4a4 and plan.impl == "decode":
+            _decode_gate_up_rows(rows, plan, x, w13, d13, ti)
     del lib
 
     trivial = next((r["host_us"] for r in rows if r["call"].startswith("trivial Triton launch (12")), None)

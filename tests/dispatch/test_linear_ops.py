@@ -274,6 +274,8 @@ READY_PLANS = [
     ("w4a16_gemv", dict(block_n=32, block_k=64, split_k=2, num_warps=4, num_stages=1)),  # split-K + finish kernel
     ("w4a16_gemm", dict(block_m=16, block_n=32, block_k=64, group_m=8, num_warps=4, num_stages=1, swap_ab=False)),
     ("w4a4_triton", dict(block_m=16, block_n=32, block_k=64, group_m=8, num_warps=4, num_stages=1)),
+    ("w4a16_dequant_mm", dict(chunk_n=32)),  # chunks of 32 and 16 rows
+    ("w4a16_dequant_mm", dict(chunk_n=64)),  # one chunk
 ]
 
 

@@ -11,7 +11,11 @@ A call's checks and plan depend only on its tensors' metadata and its options, s
 the first call validates every tensor and selects the plan, later ones with the same signature find it in a dict
 (the key also holds what the selector reads besides the shapes: the policy's and the substitutions' generation,
 ``policy.generation()``, and the selector environment; ``configs.clear_cache`` forgets the entries).  The launchers
-still check their arguments.
+still check their arguments, except on later GPU calls of a plan with a ready layer launcher
+(``registry.READY_MOE``: the decode plan and the tiers, Triton and Gluon): the first call runs the validating launchers,
+and the entry then keeps the ready one (``registry.prepare_moe``: grids, compile-time arguments and buffer sizes
+fixed, Triton's argument binding skipped), since nothing they check can change within a signature but the banks'
+addresses (whose TMA alignment the ready launches still check).
 
 Decode plans (``Impl.DECODE``, small T) skip the alignment: ``topk_ids`` (and ``expert_map``) go straight into the
 gate_up kernel (gated activation fused) and the down kernel (routing weight and top-k sum fused); see
@@ -38,11 +42,22 @@ from .linear import act_quant_config
 from .linear_call import MAX_ENTRIES, SELECTOR_ENV
 from .moe import DecodeDown, Impl, MoeKernel, MoePlan, select_moe_plan
 from .policy import current_policy
-from .registry import MOE_KERNELS
+from .registry import MOE_KERNELS, MoeReady, prepare_moe
 
-# Per call signature (the metadata of every tensor argument, activation, deterministic, an explicit plan, the
-# policy's and substitutions' generation, the selector environment): its checks passed and this is its plan.
-_CACHE: dict[tuple, tuple[MoePlan, bool, bool]] = {}
+
+
+class _Entry:
+    """One call signature's (the metadata of every tensor argument, activation, deterministic, an explicit plan,
+    the policy's and substitutions' generation, the selector environment) cached state: its checks passed, this is
+    its plan, and, once a GPU call ran it through the validating launchers, its ready launcher."""
+
+    __slots__ = ("plan", "deterministic", "batch_invariant", "ready")
+
+    def __init__(self, plan: MoePlan, deterministic: bool, batch_invariant: bool):
+        self.plan, self.deterministic, self.batch_invariant, self.ready = plan, deterministic, batch_invariant, None
+
+
+_CACHE: dict[tuple, _Entry] = {}
 
 
 def clear() -> None:
@@ -87,14 +102,19 @@ def nvfp4_moe(
     except (AttributeError, TypeError):  # not a tensor, or unhashable: no entry, the checks name the argument
         key = entry = None
     if entry is None:
-        entry = _checked_plan(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
-                              a13_enc, a2_enc, expert_map, activation, deterministic, out, plan)
+        entry = _Entry(*_checked_plan(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights,
+                                      topk_ids, a13_enc, a2_enc, expert_map, activation, deterministic, out, plan))
         if key is not None:
             if len(_CACHE) >= MAX_ENTRIES:
                 _CACHE.clear()
             _CACHE[key] = entry
+    if entry.ready is not None:  # a GPU call of a signature that ran before: its launches, nothing else
+        if out is None:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        return entry.ready(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
+                           a13_enc, a2_enc, expert_map, out)
     explicit_plan = plan is not None
-    plan, deterministic, batch_invariant = entry
+    plan, deterministic, batch_invariant = entry.plan, entry.deterministic, entry.batch_invariant
     t = x.shape[0]
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -110,8 +130,15 @@ def nvfp4_moe(
             return out
         return out.copy_(_reference(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights,
                                      topk_ids, a13_enc, a2_enc, expert_map, activation, plan))
-    return _run_kernels(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
-                        a13_enc, a2_enc, expert_map, activation, deterministic, out, plan)
+    out = _run_kernels(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
+                       a13_enc, a2_enc, expert_map, activation, deterministic, out, plan)
+    if key is not None and x.is_cuda and t > 0:
+        # The validating launchers passed for this signature: later calls launch the same kernels directly.
+        entry.ready = prepare_moe(plan, MoeReady(
+            t, x.shape[1], w2_codes.shape[2] * 2, w13_codes.shape[0], topk_ids.shape[1],
+            expert_map.shape[0] if expert_map is not None else w13_codes.shape[0], x.device, x.dtype,
+            expert_map is not None, activation, deterministic))
+    return out
 
 
 def _checked_plan(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, a13_enc,

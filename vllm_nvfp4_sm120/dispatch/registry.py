@@ -10,6 +10,9 @@
   compile-time arguments and derived sizes fixed once, the launch checking nothing (the op validated its inputs).
   Kernels without a ready form (the vendor routes) run their validating adapter with the plan's tile bound.
 
+* :func:`prepare_moe`: the same for the MoE flow, per call signature (:data:`READY_MOE`: the decode plan's two
+  or three launches, the tiers' align, (input quantization,) GEMMs and sum).
+
 Plus the Gluon gemv on the tile the dispatch picks (:func:`gemv`), for tools and tests that call it directly.
 """
 
@@ -21,15 +24,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import fp4_routes, gluon_gemv, gluon_moe_w4a4, gluon_moe_w4a16, moe_decode, moe_w4a4, moe_w4a16
+from ..kernels import (fp4_routes, gluon_gemv, gluon_moe_w4a4, gluon_moe_w4a16, moe_align, moe_decode, moe_w4a4,
+                       moe_w4a16)
 from ..kernels.act_quant import prepare_act_quant, quantize_act_nvfp4
 from ..kernels.w4a4_gemm import prepare_w4a4_gemm, w4a4_gemm
-from ..kernels.w4a16_dequant import w4a16_dequant_mm
+from ..kernels.w4a16_dequant import prepare_w4a16_dequant_mm, w4a16_dequant_mm
 from ..kernels.w4a16_linear import prepare_w4a16_gemm, prepare_w4a16_gemv, w4a16_gemm, w4a16_gemv
 from . import vendor
 from .hw import capability_of
 from .linear import GLUON_GEMV_MAX_T, LinearKernel, Route, act_quant_config, gluon_gemv_plan
-from .moe import Impl, MoeKernel
+from .moe import DecodeDown, Impl, MoeKernel
 
 
 def _logical(w_codes, w_scales, n, k):
@@ -183,6 +187,7 @@ READY_LINEAR: dict[LinearKernel, Callable[..., Callable[..., torch.Tensor]]] = {
     LinearKernel.W4A4_TRITON: _ready_w4a4_triton,
     LinearKernel.W4A16_GEMV: _ready_w4a16(prepare_w4a16_gemv),
     LinearKernel.W4A16_GEMM: _ready_w4a16(prepare_w4a16_gemm),
+    LinearKernel.W4A16_DEQUANT_MM: _ready_w4a16(prepare_w4a16_dequant_mm),
     LinearKernel.GLUON_GEMV_FMA: _ready_gluon("fma", gluon_gemv.FmaTile),
     LinearKernel.GLUON_GEMV_MMA: _ready_gluon("mma", gluon_gemv.MmaTile),
 }
@@ -229,3 +234,145 @@ MOE_KERNELS: dict[tuple[MoeKernel, Impl], tuple[Callable, Callable]] = {
     (MoeKernel.W4A4, Impl.GLUON): (gluon_moe_w4a4.gluon_moe_w4a4_gate_up, gluon_moe_w4a4.gluon_moe_w4a4_down),
     (MoeKernel.W4A16, Impl.DECODE): (moe_decode.moe_decode_gate_up, _decode_down),
 }
+
+
+@dataclass(frozen=True)
+class MoeReady:
+    """What a ready MoE layer launcher is built for: ``x [t, h]``, banks of ``e`` experts with intermediate
+    size ``i``, ``top_k`` routes per token over ``global_e`` global experts (``has_map``: an ``expert_map``)."""
+
+    t: int
+    h: int
+    i: int
+    e: int
+    top_k: int
+    global_e: int
+    device: torch.device
+    dtype: torch.dtype  # x's
+    has_map: bool
+    activation: str
+    deterministic: bool
+
+
+def prepare_moe_decode(plan, r: MoeReady):
+    """The decode plan's ready layer launcher for one call signature (the flow's checks and the launchers' passed
+    on its first call): ``run(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights,
+    topk_ids, a13_enc, a2_enc, expert_map, out) -> out`` (the arguments of ``nvfp4_moe``; the encode scales unused
+    here), the same launches as the flow's decode path, checking nothing; T > 0."""
+    by_expert = plan.decode_down == DecodeDown.EXPERT
+    zeroed = by_expert and not r.deterministic  # atomic mode: the gate_up kernel zeroes the workspace
+    dims = (r.t, r.h, r.i, r.e, r.top_k, r.global_e, r.device)
+    numel = moe_decode.down_expert_workspace_numel(r.t, r.top_k, r.h, plan.down, r.deterministic) if by_expert else 0
+    gate_up = moe_decode.prepare_moe_decode_gate_up(*dims, tile=plan.gate_up, activation=r.activation,
+                                                    has_map=r.has_map, zero_numel=numel if zeroed else None)
+    has_map, device = r.has_map, r.device
+    u8 = torch.uint8
+    if by_expert:
+        down = moe_decode.prepare_moe_decode_down_expert(*dims, tile=plan.down, has_map=has_map,
+                                                         deterministic=r.deterministic)
+
+        def run(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, a13_enc,
+                a2_enc, expert_map, out):
+            topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
+            emap = expert_map if has_map else topk_ids
+            ws = torch.empty(numel, dtype=torch.float32, device=device)
+            inter = gate_up(x, w13_codes, w13_scales.view(u8), w13_dec, topk_ids, emap, None, ws if zeroed else None)
+            return down(inter, w2_codes, w2_scales.view(u8), w2_dec, topk_ids, emap, topk_weights, ws, out)
+    else:
+        down = moe_decode.prepare_moe_decode_down_token(*dims, tile=plan.down, has_map=has_map)
+
+        def run(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, a13_enc,
+                a2_enc, expert_map, out):
+            topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
+            emap = expert_map if has_map else topk_ids
+            inter = gate_up(x, w13_codes, w13_scales.view(u8), w13_dec, topk_ids, emap)
+            return down(inter, w2_codes, w2_scales.view(u8), w2_dec, topk_ids, emap, topk_weights, out)
+
+    return run
+
+
+def _w4a16_tiers(plan, r: MoeReady):
+    """The W4A16 tiers' ready layer (Triton or Gluon GEMMs): align → gate_up → down (fp32 sums) → top-k sum."""
+    routes = r.t * r.top_k
+    block_m = plan.block_m
+    nb = moe_align.max_blocks(routes, r.e, block_m)
+    det = r.deterministic
+    align = moe_align.prepare_moe_align(routes, r.top_k, r.e, r.global_e, block_m, r.device, has_map=r.has_map)
+    if plan.impl == Impl.GLUON:
+        gate_up = gluon_moe_w4a16.prepare_gluon_moe_w4a16_gate_up(r.h, r.i, nb, block_m, r.device, r.dtype,
+                                                                  activation=r.activation, **plan.gate_up_kwargs())
+        down = gluon_moe_w4a16.prepare_gluon_moe_w4a16_down(r.h, r.i, nb, block_m, r.device, r.dtype,
+                                                            deterministic=det, **plan.down_kwargs())
+    else:
+        gate_up = moe_w4a16.prepare_moe_w4a16_gate_up(r.h, r.i, nb, block_m, activation=r.activation,
+                                                      **plan.gate_up_kwargs())
+        down = moe_w4a16.prepare_moe_w4a16_down(r.h, r.i, nb, block_m, deterministic=det, **plan.down_kwargs())
+    total = moe_align.prepare_moe_sum(r.t, r.h, r.top_k if det else 1)
+    acc_shape, inter_shape, device = (routes if det else r.t, r.h), (routes, r.i), r.device
+    u8 = torch.uint8
+
+    def run(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, a13_enc, a2_enc,
+            expert_map, out):
+        acc = torch.zeros(acc_shape, dtype=torch.float32, device=device)
+        a = align(topk_ids, expert_map)
+        inter = gate_up(x, w13_codes, w13_scales.view(u8), w13_dec, a,
+                        torch.empty(inter_shape, dtype=x.dtype, device=device))
+        down(inter, w2_codes, w2_scales.view(u8), w2_dec, topk_weights, a, acc)
+        return total(acc, out)
+
+    return run
+
+
+def _w4a4_tiers(plan, r: MoeReady):
+    """The W4A4 tiers' ready layer (Triton or Gluon GEMMs): align → input quantization → gate_up (FP4
+    intermediate) → down (fp32 sums) → top-k sum."""
+    routes = r.t * r.top_k
+    block_m = plan.block_m
+    nb = moe_align.max_blocks(routes, r.e, block_m)
+    det = r.deterministic
+    align = moe_align.prepare_moe_align(routes, r.top_k, r.e, r.global_e, block_m, r.device, has_map=r.has_map)
+    quant = prepare_act_quant(r.t, r.h, r.device, **act_quant_config(r.t, r.h))
+    if plan.impl == Impl.GLUON:
+        gate_up = gluon_moe_w4a4.prepare_gluon_moe_w4a4_gate_up(r.h, r.i, nb, block_m, r.device,
+                                                                activation=r.activation, **plan.gate_up_kwargs())
+        down = gluon_moe_w4a4.prepare_gluon_moe_w4a4_down(r.h, r.i, nb, block_m, r.device, deterministic=det,
+                                                          **plan.down_kwargs())
+    else:
+        gate_up = moe_w4a4.prepare_moe_w4a4_gate_up(r.h, r.i, nb, block_m, r.device, activation=r.activation,
+                                                    **plan.gate_up_kwargs())
+        down = moe_w4a4.prepare_moe_w4a4_down(r.h, r.i, nb, block_m, deterministic=det, **plan.down_kwargs())
+    total = moe_align.prepare_moe_sum(r.t, r.h, r.top_k if det else 1)
+    acc_shape, device = (routes if det else r.t, r.h), r.device
+    codes_shape, scales_shape = (routes, r.i // 2), (routes, r.i // 16)
+    u8 = torch.uint8
+
+    def run(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, a13_enc, a2_enc,
+            expert_map, out):
+        acc = torch.zeros(acc_shape, dtype=torch.float32, device=device)
+        a = align(topk_ids, expert_map)
+        a13, a2 = a13_enc.reshape(1), a2_enc.reshape(1)
+        a_codes, a_scales = quant(x, a13)
+        i_codes, i_scales = gate_up(a_codes, a_scales.view(u8), w13_codes, w13_scales.view(u8), w13_dec, a13, a2, a,
+                                    torch.empty(codes_shape, dtype=u8, device=device),
+                                    torch.empty(scales_shape, dtype=u8, device=device))
+        down(i_codes, i_scales, w2_codes, w2_scales.view(u8), w2_dec, a2, topk_weights, a, acc)
+        return total(acc, out)
+
+    return run
+
+
+# Plans with a ready layer launcher in the MoE flow, by (kernel, impl); the others run their validating launchers.
+READY_MOE: dict[tuple[MoeKernel, Impl], Callable] = {
+    (MoeKernel.W4A16, Impl.DECODE): prepare_moe_decode,
+    (MoeKernel.W4A16, Impl.TRITON): _w4a16_tiers,
+    (MoeKernel.W4A4, Impl.TRITON): _w4a4_tiers,
+    (MoeKernel.W4A16, Impl.GLUON): _w4a16_tiers,
+    (MoeKernel.W4A4, Impl.GLUON): _w4a4_tiers,
+}
+
+
+def prepare_moe(plan, r: MoeReady):
+    """The ready layer launcher of ``plan`` for one call signature (see :func:`prepare_moe_decode`), or None
+    where the plan has none (:data:`READY_MOE`)."""
+    build = READY_MOE.get((plan.kernel, plan.impl))
+    return None if build is None else build(plan, r)

@@ -256,15 +256,16 @@ def prepare_act_quant(t: int, k: int, device, *, block_t: int, block_k: int, num
     import torch
 
     from ..format.swizzle import swizzled_shape
+    from .launch import ReadyKernel
 
     sf_rows, sf_cols = swizzled_shape(t, k // 16) if swizzled else (t, k // 16)
     if native_e4m3 is None:
         native_e4m3 = device.type == "cuda"  # the interpreter's fp8 cast is not RNE
     if native_e2m1 is None:
         native_e2m1 = has_native_e2m1(device)
-    launch = _act_quant_kernel[(triton.cdiv(sf_rows, block_t), triton.cdiv(sf_cols * 16, block_k))]
-    const = dict(SWIZZLED=swizzled, NATIVE_E4M3=native_e4m3, NATIVE_E2M1=native_e2m1, BLOCK_T=block_t,
-                 BLOCK_K=block_k, num_warps=num_warps)
+    launch = ReadyKernel(_act_quant_kernel, (triton.cdiv(sf_rows, block_t), triton.cdiv(sf_cols * 16, block_k)),
+                         SWIZZLED=swizzled, NATIVE_E4M3=native_e4m3, NATIVE_E2M1=native_e2m1, BLOCK_T=block_t,
+                         BLOCK_K=block_k, num_warps=num_warps)
 
     def run(x, in_enc, out_codes=None, out_scales=None):
         if out_codes is None:
@@ -272,7 +273,7 @@ def prepare_act_quant(t: int, k: int, device, *, block_t: int, block_k: int, num
         if out_scales is None:
             out_scales = torch.empty((sf_rows, sf_cols), dtype=torch.float8_e4m3fn, device=x.device)
         launch(x, in_enc, out_codes, out_scales.view(torch.uint8), t, k, x.stride(0), out_codes.stride(0),
-               out_scales.stride(0), sf_rows, sf_cols, **const)
+               out_scales.stride(0), sf_rows, sf_cols)
         return out_codes, out_scales
 
     return run

@@ -42,6 +42,7 @@ import triton
 from .common import check_linear_inputs, trivial_linear_output
 from .gluon_common import DECODE_CVT, DECODE_PORTABLE, default_decode  # noqa: F401  (the values of DECODE)
 from .gluon_compat import HAS_GLUON, ampere, gl, gluon, require_gluon
+from .launch import ReadyKernel
 
 # ---------------------------------------------------------------------------------------------------------------
 # Tiles (which one runs is the dispatch's choice)
@@ -285,11 +286,11 @@ def prepare_gemv(kind: str, t: int, n: int, k: int, device, dtype, *, tile: FmaT
         const["ROWS_PER_WARP"] = tile.rows_per_warp
     else:
         kernel, block_rows = _gemv_mma_kernel, tile.block_m
-    launch = kernel[(triton.cdiv(n, block_rows), triton.cdiv(t, tile.block_t))]
+    launch = ReadyKernel(kernel, (triton.cdiv(n, block_rows), triton.cdiv(t, tile.block_t)), **const)
 
     def run(x, w_codes, w_scales_u8, w_dec_rows, bias, out):
         launch(x, w_codes, w_scales_u8, w_dec_rows, out if bias is None else bias, out,
-               t, n, x.stride(0), w_codes.stride(0), w_scales_u8.stride(0), out.stride(0), **const)
+               t, n, x.stride(0), w_codes.stride(0), w_scales_u8.stride(0), out.stride(0))
         return out
 
     return run

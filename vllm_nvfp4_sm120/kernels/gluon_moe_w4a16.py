@@ -320,17 +320,33 @@ def _check_tile(gated: bool, block_m: int, block_n: int, block_k: int, num_warps
 def _launch(x, codes, w_sf, dec, topk_w, out, align, n, k, stride_we, stride_wn, *, gated, activation,
             deterministic, block_n, block_k, group_m, num_warps, num_stages, use_tma, persistent, decode):
     _check_tile(gated, align.block_m, block_n, block_k, num_warps, num_stages)
-    num_n = triton.cdiv(n, block_n)
-    _gluon_moe_w4a16_kernel[moe_grid(align.max_blocks, num_n, persistent, x.device)](
-        x, codes, weight_desc(codes, use_tma, block_n, block_k), w_sf, dec, topk_w, out,
-        align.sorted_ids, align.expert_ids, align.num_padded,
-        align.num_routes, n, k, align.top_k, align.max_blocks,
-        x.stride(0), stride_we, stride_wn, w_sf.stride(0), w_sf.stride(1), out.stride(0),
+    run = _prepare(n, k, align.max_blocks, align.block_m, x.device, x.dtype, gated=gated, activation=activation,
+                   deterministic=deterministic, block_n=block_n, block_k=block_k, group_m=group_m,
+                   num_warps=num_warps, num_stages=num_stages, use_tma=use_tma, persistent=persistent, decode=decode)
+    run(x, codes, w_sf, dec, topk_w, out, align, stride_we, stride_wn)
+
+
+def _prepare(n, k, max_blocks, block_m, device, dtype, *, gated, activation, deterministic, block_n, block_k,
+             group_m, num_warps, num_stages, use_tma, persistent, decode):
+    """The ready launch of :func:`_launch` (its tile checked already): ``run(x, codes, w_sf, dec, topk_w, out,
+    align, stride_we, stride_wn)``."""
+    from .launch import ReadyKernel
+
+    launch = ReadyKernel(
+        _gluon_moe_w4a16_kernel, moe_grid(max_blocks, triton.cdiv(n, block_n), persistent, device),
         GATED=gated, ACTIVATION=activation, DETERMINISTIC=deterministic, USE_TMA=use_tma,
-        DECODE=default_decode(x.device, x.dtype) if decode is None else decode, PERSISTENT=persistent,
-        STAGES=num_stages, BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        DECODE=default_decode(device, dtype) if decode is None else decode, PERSISTENT=persistent,
+        STAGES=num_stages, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         MMA_WARPS_M=num_warps // 2, num_warps=num_warps,
     )
+
+    def run(x, codes, w_sf, dec, topk_w, out, align, stride_we, stride_wn):
+        launch(x, codes, weight_desc(codes, use_tma, block_n, block_k), w_sf, dec, topk_w, out,
+               align.sorted_ids, align.expert_ids, align.num_padded,
+               align.num_routes, n, k, align.top_k, max_blocks,
+               x.stride(0), stride_we, stride_wn, w_sf.stride(0), w_sf.stride(1), out.stride(0))
+
+    return run
 
 
 def gluon_moe_w4a16_gate_up(
@@ -376,3 +392,41 @@ def gluon_moe_w4a16_down(
             block_k=block_k, group_m=group_m, num_warps=num_warps, num_stages=num_stages, use_tma=use_tma,
             persistent=persistent, decode=decode)
     return out
+
+
+# Ready launches with the Triton twins' call arguments (``moe_w4a16.prepare_moe_w4a16_gate_up`` / ``_down``), for
+# the MoE flow's ready layer; the tile must have passed the launchers above once.
+
+def prepare_gluon_moe_w4a16_gate_up(h: int, i: int, max_blocks: int, block_m: int, device, dtype, *, block_n: int,
+                                    block_k: int, group_m: int, num_warps: int, num_stages: int, activation: str,
+                                    use_tma: bool, persistent: bool, decode: int | None = None,
+                                    fast_decode: bool = True, stream_weights: bool = False):
+    """``run(x, w13_codes, w13_scales_u8, w13_dec, align, out) -> out`` (``fast_decode``, ``stream_weights``
+    ignored, as by :func:`gluon_moe_w4a16_gate_up`)."""
+    launch = _prepare(i, h, max_blocks, block_m, device, dtype, gated=True, activation=activation,
+                      deterministic=False, block_n=block_n, block_k=block_k, group_m=group_m, num_warps=num_warps,
+                      num_stages=num_stages, use_tma=use_tma, persistent=persistent, decode=decode)
+
+    def run(x, w13_codes, w_sf, w13_dec, align, out):
+        launch(x, w13_codes, w_sf, w13_dec, w13_dec, out, align, w13_codes.stride(0), w13_codes.stride(1))
+        return out
+
+    return run
+
+
+def prepare_gluon_moe_w4a16_down(h: int, i: int, max_blocks: int, block_m: int, device, dtype, *, block_n: int,
+                                 block_k: int, group_m: int, num_warps: int, num_stages: int, deterministic: bool,
+                                 use_tma: bool, persistent: bool, decode: int | None = None,
+                                 fast_decode: bool = True, stream_weights: bool = False):
+    """``run(inter, w2_codes, w2_scales_u8, w2_dec, topk_weights, align, out) -> out`` (the fp32 sums)."""
+    launch = _prepare(h, i, max_blocks, block_m, device, dtype, gated=False, activation="silu",
+                      deterministic=deterministic, block_n=block_n, block_k=block_k, group_m=group_m,
+                      num_warps=num_warps, num_stages=num_stages, use_tma=use_tma, persistent=persistent,
+                      decode=decode)
+
+    def run(inter, w2_codes, w_sf, w2_dec, topk_weights, align, out):
+        launch(inter, w2_codes, w_sf, w2_dec, topk_weights.contiguous(), out, align, w2_codes.stride(0),
+               w2_codes.stride(1))
+        return out
+
+    return run

@@ -447,18 +447,35 @@ def _launch(a, a_sf, codes, w_sf, dec, a_enc, q_enc, topk_w, out, out_sf, out_sf
             activation, deterministic, block_n, block_k, group_m, num_warps, num_stages, use_tma, persistent,
             decode, epilogue_warps=0):
     _check_tile(gated, align.block_m, block_n, block_k, num_warps, num_stages, persistent, epilogue_warps)
-    num_n = triton.cdiv(n, block_n)
-    _gluon_moe_w4a4_kernel[moe_grid(align.max_blocks, num_n, persistent, a.device)](
-        a, a_sf, codes, weight_desc(codes, use_tma, block_n, block_k), w_sf, dec, a_enc, q_enc, topk_w, out, out_sf,
-        align.sorted_ids, align.expert_ids, align.num_padded,
-        align.num_routes, n, k, align.top_k, align.max_blocks,
-        a.stride(0), a_sf.stride(0), codes.stride(0), codes.stride(1), w_sf.stride(0), w_sf.stride(1),
-        out.stride(0), out_sf_stride,
+    run = _prepare(n, k, align.max_blocks, align.block_m, a.device, gated=gated, activation=activation,
+                   deterministic=deterministic, block_n=block_n, block_k=block_k, group_m=group_m,
+                   num_warps=num_warps, num_stages=num_stages, use_tma=use_tma, persistent=persistent, decode=decode,
+                   epilogue_warps=epilogue_warps)
+    run(a, a_sf, codes, w_sf, dec, a_enc, q_enc, topk_w, out, out_sf, out_sf_stride, align)
+
+
+def _prepare(n, k, max_blocks, block_m, device, *, gated, activation, deterministic, block_n, block_k, group_m,
+             num_warps, num_stages, use_tma, persistent, decode, epilogue_warps=0):
+    """The ready launch of :func:`_launch` (its tile checked already): ``run(a, a_sf, codes, w_sf, dec, a_enc,
+    q_enc, topk_w, out, out_sf, out_sf_stride, align)``."""
+    from .launch import ReadyKernel
+
+    launch = ReadyKernel(
+        _gluon_moe_w4a4_kernel, moe_grid(max_blocks, triton.cdiv(n, block_n), persistent, device),
         GATED=gated, ACTIVATION=activation, DETERMINISTIC=deterministic, USE_TMA=use_tma,
-        DECODE=default_decode(a.device) if decode is None else bool(decode), PERSISTENT=persistent,
-        EPILOGUE_WARPS=epilogue_warps, STAGES=num_stages, BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DECODE=default_decode(device) if decode is None else bool(decode), PERSISTENT=persistent,
+        EPILOGUE_WARPS=epilogue_warps, STAGES=num_stages, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         GROUP_M=group_m, MMA_WARPS_M=num_warps // 2, num_warps=num_warps,
     )
+
+    def run(a, a_sf, codes, w_sf, dec, a_enc, q_enc, topk_w, out, out_sf, out_sf_stride, align):
+        launch(a, a_sf, codes, weight_desc(codes, use_tma, block_n, block_k), w_sf, dec, a_enc, q_enc, topk_w, out,
+               out_sf, align.sorted_ids, align.expert_ids, align.num_padded,
+               align.num_routes, n, k, align.top_k, max_blocks,
+               a.stride(0), a_sf.stride(0), codes.stride(0), codes.stride(1), w_sf.stride(0), w_sf.stride(1),
+               out.stride(0), out_sf_stride)
+
+    return run
 
 
 def gluon_moe_w4a4_gate_up(
@@ -515,3 +532,40 @@ def gluon_moe_w4a4_down(
             block_k=block_k, group_m=group_m, num_warps=num_warps, num_stages=num_stages, use_tma=use_tma,
             persistent=persistent, decode=decode, epilogue_warps=epilogue_warps)
     return out
+
+
+# Ready launches with the Triton twins' call arguments (``moe_w4a4.prepare_moe_w4a4_gate_up`` / ``_down``), for
+# the MoE flow's ready layer; the tile must have passed the launchers above once.
+
+def prepare_gluon_moe_w4a4_gate_up(h: int, i: int, max_blocks: int, block_m: int, device, *, block_n: int,
+                                   block_k: int, group_m: int, num_warps: int, num_stages: int, activation: str,
+                                   decode: bool | None = None, use_tma: bool = False, persistent: bool = False,
+                                   native_e4m3: bool | None = None):
+    """``run(a_codes, a_scales_u8, w13_codes, w13_scales_u8, w13_dec, a13_enc, a2_enc, align, out_codes,
+    out_scales) -> (out_codes, out_scales)`` (``native_e4m3`` ignored, as by :func:`gluon_moe_w4a4_gate_up`)."""
+    launch = _prepare(i, h, max_blocks, block_m, device, gated=True, activation=activation, deterministic=False,
+                      block_n=block_n, block_k=block_k, group_m=group_m, num_warps=num_warps, num_stages=num_stages,
+                      use_tma=use_tma, persistent=persistent, decode=decode)
+
+    def run(a_codes, a_sf, w13_codes, w_sf, w13_dec, a13_enc, a2_enc, align, out_codes, out_scales):
+        launch(a_codes, a_sf, w13_codes, w_sf, w13_dec, a13_enc, a2_enc, w13_dec, out_codes, out_scales,
+               out_scales.stride(0), align)
+        return out_codes, out_scales
+
+    return run
+
+
+def prepare_gluon_moe_w4a4_down(h: int, i: int, max_blocks: int, block_m: int, device, *, block_n: int, block_k: int,
+                                group_m: int, num_warps: int, num_stages: int, deterministic: bool,
+                                decode: bool | None = None, use_tma: bool = False, persistent: bool = False,
+                                epilogue_warps: int = 0):
+    """``run(a_codes, a_scales_u8, w2_codes, w2_scales_u8, w2_dec, a2_enc, topk_weights, align, out) -> out``."""
+    launch = _prepare(h, i, max_blocks, block_m, device, gated=False, activation="silu", deterministic=deterministic,
+                      block_n=block_n, block_k=block_k, group_m=group_m, num_warps=num_warps, num_stages=num_stages,
+                      use_tma=use_tma, persistent=persistent, decode=decode, epilogue_warps=epilogue_warps)
+
+    def run(a_codes, a_sf, w2_codes, w_sf, w2_dec, a2_enc, topk_weights, align, out):
+        launch(a_codes, a_sf, w2_codes, w_sf, w2_dec, a2_enc, a2_enc, topk_weights.contiguous(), out, out, 0, align)
+        return out
+
+    return run

@@ -196,41 +196,51 @@ def moe_align(topk_ids, num_experts: int, block_m: int, *, expert_map=None):
     if expert_map is not None:
         check_tensor("expert_map", expert_map, dtype=torch.int32, ndim=1, device=topk_ids.device)
         global_e = expert_map.shape[0]
-    dev = topk_ids.device
-    ids = topk_ids.contiguous().view(-1)
-    r = ids.numel()
+    t, top_k = topk_ids.shape
+    run = prepare_moe_align(t * top_k, top_k, num_experts, global_e, block_m, topk_ids.device,
+                            has_map=expert_map is not None)
+    return run(topk_ids, expert_map)
+
+
+def prepare_moe_align(num_routes: int, top_k: int, num_experts: int, global_e: int, block_m: int, device, *,
+                      has_map: bool):
+    """A ready :func:`moe_align` for ``num_routes = T * top_k`` routes (grids, sizes and compile-time arguments
+    fixed once): ``run(topk_ids, expert_map) -> MoeAlignment`` checks nothing (its inputs are those
+    :func:`moe_align` accepts; ``expert_map`` None unless ``has_map``)."""
+    import torch
+
+    from .launch import ReadyKernel
+
+    r = num_routes
     nb = max_blocks(r, num_experts, block_m)
-    sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(nb, dtype=torch.int32, device=dev)
-    num_padded = torch.zeros(1, dtype=torch.int32, device=dev)
-    if r == 0:
-        return MoeAlignment(sorted_ids, expert_ids, num_padded, block_m, r, topk_ids.shape[1])
-
-    chunk = max(_SUB, triton.next_power_of_2(triton.cdiv(r, _MAX_CHUNKS)))
+    chunk = max(_SUB, triton.next_power_of_2(triton.cdiv(max(r, 1), _MAX_CHUNKS)))
     num_chunks = triton.cdiv(r, chunk)
-    # One int32 scratch: per-chunk counts/offsets, per-route ranks, expert starts and totals.
-    scratch = torch.empty(num_chunks * num_experts + r + 2 * num_experts, dtype=torch.int32, device=dev)
-    counts, rank, starts, totals = scratch.split([num_chunks * num_experts, r, num_experts, num_experts])
-    emap = expert_map if expert_map is not None else num_padded
-    has_map = expert_map is not None
-
-    _count_kernel[(num_chunks,)](
-        ids, emap, rank, counts, r, num_experts, global_e, chunk,
-        HAS_MAP=has_map, SUB=_SUB, BLOCK_E=_PREFIX_BLOCK_E,
-    )
-    _prefix_kernel[(1,)](
-        counts, starts, totals, num_padded, num_experts, num_chunks,
-        BLOCK_M=block_m, MAX_CHUNKS=_MAX_CHUNKS, BLOCK_E=_PREFIX_BLOCK_E, num_warps=4,
-    )
     route_tiles = triton.cdiv(r, _SCATTER_ROUTES)
-    grid = (route_tiles + triton.cdiv(nb, _SCATTER_BLOCKS),)
-    _scatter_kernel[grid](
-        ids, emap, rank, counts, starts, totals, num_padded, sorted_ids, expert_ids,
-        r, num_experts, global_e, chunk, route_tiles, nb,
-        HAS_MAP=has_map, BLOCK_M=block_m, ROUTES=_SCATTER_ROUTES, BLOCKS=_SCATTER_BLOCKS,
-        BLOCK_E=_PREFIX_BLOCK_E,
-    )
-    return MoeAlignment(sorted_ids, expert_ids, num_padded, block_m, r, topk_ids.shape[1])
+    count = ReadyKernel(_count_kernel, (num_chunks,), HAS_MAP=has_map, SUB=_SUB, BLOCK_E=_PREFIX_BLOCK_E)
+    prefix = ReadyKernel(_prefix_kernel, (1,), BLOCK_M=block_m, MAX_CHUNKS=_MAX_CHUNKS, BLOCK_E=_PREFIX_BLOCK_E,
+                         num_warps=4)
+    scatter = ReadyKernel(_scatter_kernel, (route_tiles + triton.cdiv(nb, _SCATTER_BLOCKS),), HAS_MAP=has_map,
+                          BLOCK_M=block_m, ROUTES=_SCATTER_ROUTES, BLOCKS=_SCATTER_BLOCKS, BLOCK_E=_PREFIX_BLOCK_E)
+    # One int32 scratch: per-chunk counts/offsets, per-route ranks, expert starts and totals.
+    split = [num_chunks * num_experts, r, num_experts, num_experts]
+    scratch_numel = sum(split)
+
+    def run(topk_ids, expert_map=None):
+        ids = topk_ids.contiguous().view(-1)
+        sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=device)
+        expert_ids = torch.empty(nb, dtype=torch.int32, device=device)
+        num_padded = torch.zeros(1, dtype=torch.int32, device=device)
+        if r == 0:
+            return MoeAlignment(sorted_ids, expert_ids, num_padded, block_m, r, top_k)
+        counts, rank, starts, totals = torch.empty(scratch_numel, dtype=torch.int32, device=device).split(split)
+        emap = expert_map if has_map else num_padded
+        count(ids, emap, rank, counts, r, num_experts, global_e, chunk)
+        prefix(counts, starts, totals, num_padded, num_experts, num_chunks)
+        scatter(ids, emap, rank, counts, starts, totals, num_padded, sorted_ids, expert_ids,
+                r, num_experts, global_e, chunk, route_tiles, nb)
+        return MoeAlignment(sorted_ids, expert_ids, num_padded, block_m, r, top_k)
+
+    return run
 
 
 @triton.jit
@@ -298,6 +308,18 @@ def moe_sum(src, routes: int, out):
     t, h = out.shape
     if t == 0 or h == 0:
         return out
+    return prepare_moe_sum(t, h, routes)(src, out)
+
+
+def prepare_moe_sum(t: int, h: int, routes: int):
+    """A ready :func:`moe_sum` for ``out [t, h]``, ``t, h > 0``: ``run(src, out) -> out`` checks nothing."""
+    from .launch import ReadyKernel
+
     block_h = min(1024, triton.next_power_of_2(h))
-    _moe_sum_kernel[(t, triton.cdiv(h, block_h))](src, out, h, routes, out.stride(0), BLOCK_H=block_h, num_warps=4)
-    return out
+    launch = ReadyKernel(_moe_sum_kernel, (t, triton.cdiv(h, block_h)), BLOCK_H=block_h, num_warps=4)
+
+    def run(src, out):
+        launch(src, out, h, routes, out.stride(0))
+        return out
+
+    return run

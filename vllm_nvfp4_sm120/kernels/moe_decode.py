@@ -1064,26 +1064,9 @@ def moe_decode_gate_up(
         if zero is not None:
             zero.zero_()
         return out
-    rows = min(s, e)  # one grid row per slot, or per local expert when that is fewer programs
-    grid = (rows, triton.cdiv(i, tile.block_n), tile.split_k)
-    programs = grid[0] * grid[1]
-    part = cnt = w13_dec  # unused without split_k
-    if tile.split_k > 1:  # per-split partial sums (each slice fully written where read) and zeroed arrival counts
-        part = torch.empty(tile.split_k * s * two_i, dtype=torch.float32, device=x.device)
-        cnt = torch.zeros(rows * grid[1], dtype=torch.int32, device=x.device)
-    zero_numel = zero.numel() if zero is not None else 0
-    zero_chunk = -(-zero_numel // programs) if zero is not None else 0
-    w_desc, s_desc = _descriptors("w13", w13_codes, w_sf, 2, tile)
-    _moe_decode_gate_up_kernel[grid](
-        x, w13_codes, w_sf, w_desc, s_desc, w13_dec, topk_ids, emap, out, zero if zero is not None else w13_dec,
-        part, cnt, s, i, h, e, global_e, k, zero_numel, zero_chunk,
-        x.stride(0), w13_codes.stride(0), w13_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0),
-        ACTIVATION=activation, HAS_MAP=has_map, BY_EXPERT=rows < s, ZERO=zero is not None,
-        S_BLOCK=_route_block(s), FAST_DECODE=_fast_decode(x.device), EVEN_K=h % tile.block_k == 0,
-        GDC=_gdc_ok(x.device), SPLIT_K=tile.split_k, **tile.kernel_kwargs(), num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
-    )
-    return out
+    run = prepare_moe_decode_gate_up(t, h, i, e, k, global_e, x.device, tile=tile, activation=activation,
+                                     has_map=has_map, zero_numel=None if zero is None else zero.numel())
+    return run(x, w13_codes, w_sf, w13_dec, topk_ids, emap, out, zero)
 
 
 def _check_down(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expert_map, check_ids, out,
@@ -1117,17 +1100,8 @@ def moe_decode_down_token(
         inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expert_map, check_ids, out, tile, "down_token")
     if t == 0:
         return out
-    grid = (t, triton.cdiv(h, tile.block_n))
-    w_desc, s_desc = _descriptors("w2", w2_codes, w_sf, 1, tile)
-    _moe_decode_down_token_kernel[grid](
-        inter, w2_codes, w_sf, w_desc, s_desc, w2_dec, topk_ids, emap, topk_weights, out,
-        t * k, h, i, e, global_e, k,
-        inter.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0),
-        HAS_MAP=has_map, TOPK_BLOCK=max(2, triton.next_power_of_2(k)), FAST_DECODE=_fast_decode(inter.device),
-        EVEN_K=i % tile.block_k == 0, PDL=tile.pdl and _gdc_ok(inter.device), **tile.kernel_kwargs(),
-        **tile.launch_kwargs(_gdc_ok(inter.device)),
-    )
-    return out
+    run = prepare_moe_decode_down_token(t, h, i, e, k, global_e, inter.device, tile=tile, has_map=has_map)
+    return run(inter, w2_codes, w_sf, w2_dec, topk_ids, emap, topk_weights, out)
 
 
 def down_expert_workspace(t: int, top_k: int, h: int, tile: DecodeTile, deterministic: bool, device):
@@ -1163,27 +1137,9 @@ def moe_decode_down_expert(
                  device=inter.device)
     if t == 0:
         return out
-    ws = workspace if deterministic else workspace[: t * h]
-    counts = workspace.view(torch.int32) if deterministic else workspace[t * h:].view(torch.int32)
-    s = t * k
-    rows = min(s, e)
-    w_desc, s_desc = _descriptors("w2", w2_codes, w_sf, 1, tile)
-    _moe_decode_down_expert_kernel[(rows, triton.cdiv(h, tile.block_n))](
-        inter, w2_codes, w_sf, w_desc, s_desc, w2_dec, topk_ids, emap, topk_weights, ws, counts, out,
-        s, h, i, e, global_e, k,
-        inter.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0),
-        HAS_MAP=has_map, BY_EXPERT=rows < s, DETERMINISTIC=deterministic, S_BLOCK=_route_block(s),
-        TOPK_BLOCK=max(2, triton.next_power_of_2(k)), FAST_DECODE=_fast_decode(inter.device),
-        EVEN_K=i % tile.block_k == 0, PDL=tile.pdl and _gdc_ok(inter.device), **tile.kernel_kwargs(),
-        **tile.launch_kwargs(_gdc_ok(inter.device)),
-    )
-    if deterministic:
-        block_h = min(_SUM_BLOCK_H, triton.next_power_of_2(h))
-        _moe_decode_sum_kernel[(t, triton.cdiv(h, block_h))](
-            ws, topk_ids, emap, out, h, s, e, global_e, k, out.stride(0), HAS_MAP=has_map, BLOCK_H=block_h,
-            num_warps=4,
-        )
-    return out
+    run = prepare_moe_decode_down_expert(t, h, i, e, k, global_e, inter.device, tile=tile, has_map=has_map,
+                                         deterministic=deterministic)
+    return run(inter, w2_codes, w_sf, w2_dec, topk_ids, emap, topk_weights, workspace, out)
 
 
 def moe_decode(
@@ -1215,3 +1171,116 @@ def moe_decode(
                                      expert_map=expert_map, out=out)
     return moe_decode_down_expert(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, ws, tile=down_tile,
                                   expert_map=expert_map, deterministic=deterministic, out=out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Ready launches: one call signature's grid and compile-time arguments fixed once (the validating launchers above
+# call them; the MoE flow keeps them per signature).  They check nothing: their inputs are what the validating
+# launchers pass (the scales as uint8 bytes, ``emap`` the map or any int32 tensor when ``has_map`` is false,
+# T > 0).  The TMA descriptors are made per call: they hold the bank's address, which differs between layers of
+# one signature (``_descriptors`` checks its alignment).
+# ---------------------------------------------------------------------------------------------------------------
+def down_expert_workspace_numel(t: int, top_k: int, h: int, tile: DecodeTile, deterministic: bool) -> int:
+    """fp32 elements of :func:`down_expert_workspace`."""
+    return _workspace_numel(t, top_k, h, tile, deterministic)
+
+
+def prepare_moe_decode_gate_up(t: int, h: int, i: int, e: int, top_k: int, global_e: int, device, *,
+                               tile: DecodeTile, activation: str, has_map: bool, zero_numel: int | None):
+    """``run(x, w13_codes, w13_sf, w13_dec, topk_ids, emap, out=None, zero=None) -> out [T * top_k, I]``;
+    ``zero``: a tensor of ``zero_numel`` elements (None: no zeroing)."""
+    import torch
+
+    from .launch import ReadyKernel
+
+    s = t * top_k
+    rows = min(s, e)  # one grid row per slot, or per local expert when that is fewer programs
+    grid = (rows, triton.cdiv(i, tile.block_n), tile.split_k)
+    programs = grid[0] * grid[1]
+    has_zero = zero_numel is not None
+    zero_chunk = -(-zero_numel // programs) if has_zero else 0
+    split = tile.split_k > 1
+    launch = ReadyKernel(
+        _moe_decode_gate_up_kernel, grid, ACTIVATION=activation, HAS_MAP=has_map, BY_EXPERT=rows < s,
+        ZERO=has_zero, S_BLOCK=_route_block(s), FAST_DECODE=_fast_decode(device), EVEN_K=h % tile.block_k == 0,
+        GDC=_gdc_ok(device), SPLIT_K=tile.split_k, **tile.kernel_kwargs(), num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
+
+    def run(x, w13_codes, w_sf, w13_dec, topk_ids, emap, out=None, zero=None):
+        if out is None:
+            out = torch.empty((s, i), dtype=x.dtype, device=x.device)
+        part = cnt = w13_dec  # unused without split_k
+        if split:  # per-split partial sums (each slice fully written where read) and zeroed arrival counts
+            part = torch.empty(tile.split_k * s * 2 * i, dtype=torch.float32, device=x.device)
+            cnt = torch.zeros(rows * grid[1], dtype=torch.int32, device=x.device)
+        w_desc, s_desc = _descriptors("w13", w13_codes, w_sf, 2, tile)
+        launch(x, w13_codes, w_sf, w_desc, s_desc, w13_dec, topk_ids, emap, out, zero if has_zero else w13_dec,
+               part, cnt, s, i, h, e, global_e, top_k, zero_numel if has_zero else 0, zero_chunk,
+               x.stride(0), w13_codes.stride(0), w13_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0))
+        return out
+
+    return run
+
+
+def prepare_moe_decode_down_token(t: int, h: int, i: int, e: int, top_k: int, global_e: int, device, *,
+                                  tile: DecodeTile, has_map: bool):
+    """``run(inter, w2_codes, w2_sf, w2_dec, topk_ids, emap, topk_weights, out=None) -> out [T, H]``."""
+    import torch
+
+    from .launch import ReadyKernel
+
+    gdc = _gdc_ok(device)
+    launch = ReadyKernel(
+        _moe_decode_down_token_kernel, (t, triton.cdiv(h, tile.block_n)), HAS_MAP=has_map,
+        TOPK_BLOCK=max(2, triton.next_power_of_2(top_k)), FAST_DECODE=_fast_decode(device),
+        EVEN_K=i % tile.block_k == 0, PDL=tile.pdl and gdc, **tile.kernel_kwargs(), **tile.launch_kwargs(gdc),
+    )
+
+    def run(inter, w2_codes, w_sf, w2_dec, topk_ids, emap, topk_weights, out=None):
+        if out is None:
+            out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
+        w_desc, s_desc = _descriptors("w2", w2_codes, w_sf, 1, tile)
+        launch(inter, w2_codes, w_sf, w_desc, s_desc, w2_dec, topk_ids, emap, topk_weights, out,
+               t * top_k, h, i, e, global_e, top_k,
+               inter.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0))
+        return out
+
+    return run
+
+
+def prepare_moe_decode_down_expert(t: int, h: int, i: int, e: int, top_k: int, global_e: int, device, *,
+                                   tile: DecodeTile, has_map: bool, deterministic: bool):
+    """``run(inter, w2_codes, w2_sf, w2_dec, topk_ids, emap, topk_weights, workspace, out=None) -> out [T, H]``;
+    ``workspace`` as :func:`down_expert_workspace` makes it (zeroed in atomic mode)."""
+    import torch
+
+    from .launch import ReadyKernel
+
+    s = t * top_k
+    rows = min(s, e)
+    gdc = _gdc_ok(device)
+    launch = ReadyKernel(
+        _moe_decode_down_expert_kernel, (rows, triton.cdiv(h, tile.block_n)), HAS_MAP=has_map, BY_EXPERT=rows < s,
+        DETERMINISTIC=deterministic, S_BLOCK=_route_block(s), TOPK_BLOCK=max(2, triton.next_power_of_2(top_k)),
+        FAST_DECODE=_fast_decode(device), EVEN_K=i % tile.block_k == 0, PDL=tile.pdl and gdc,
+        **tile.kernel_kwargs(), **tile.launch_kwargs(gdc),
+    )
+    block_h = min(_SUM_BLOCK_H, triton.next_power_of_2(h))
+    sum_launch = (ReadyKernel(_moe_decode_sum_kernel, (t, triton.cdiv(h, block_h)), HAS_MAP=has_map,
+                              BLOCK_H=block_h, num_warps=4) if deterministic else None)
+
+    def run(inter, w2_codes, w_sf, w2_dec, topk_ids, emap, topk_weights, workspace, out=None):
+        if out is None:
+            out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
+        ws = workspace if deterministic else workspace[: t * h]
+        counts = workspace.view(torch.int32) if deterministic else workspace[t * h:].view(torch.int32)
+        w_desc, s_desc = _descriptors("w2", w2_codes, w_sf, 1, tile)
+        launch(inter, w2_codes, w_sf, w_desc, s_desc, w2_dec, topk_ids, emap, topk_weights, ws, counts, out,
+               s, h, i, e, global_e, top_k,
+               inter.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0))
+        if deterministic:
+            sum_launch(ws, topk_ids, emap, out, h, s, e, global_e, top_k, out.stride(0))
+        return out
+
+    return run

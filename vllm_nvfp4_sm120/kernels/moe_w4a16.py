@@ -228,17 +228,11 @@ def moe_w4a16_gate_up(
     w_sf, h, i, r, out = check_w4a16_gate_up_inputs(x, w13_codes, w13_scales, w13_dec, align, activation, out)
     if r == 0:
         return out
-    grid = (align.max_blocks * triton.cdiv(i, block_n),)
-    _moe_w4a16_gate_up_kernel[grid](
-        x, w13_codes, _weight_arg(w13_codes, use_tma, block_n, block_k), w_sf, w13_dec, out,
-        align.sorted_ids, align.expert_ids, align.num_padded,
-        r, i, h, align.top_k, align.max_blocks,
-        x.stride(0), w13_codes.stride(0), w13_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0),
-        ACTIVATION=activation, USE_TMA=use_tma, FAST_DECODE=fast_decode, STREAM_W=stream_weights,
-        EVEN_K=h % block_k == 0, BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    return out
+    run = prepare_moe_w4a16_gate_up(h, i, align.max_blocks, align.block_m, block_n=block_n, block_k=block_k,
+                                    group_m=group_m, num_warps=num_warps, num_stages=num_stages,
+                                    activation=activation, use_tma=use_tma, fast_decode=fast_decode,
+                                    stream_weights=stream_weights)
+    return run(x, w13_codes, w_sf, w13_dec, align, out)
 
 
 def moe_w4a16_down(
@@ -255,14 +249,56 @@ def moe_w4a16_down(
                                             deterministic)
     if r == 0:
         return out
-    grid = (align.max_blocks * triton.cdiv(h, block_n),)
-    _moe_w4a16_down_kernel[grid](
-        inter, w2_codes, _weight_arg(w2_codes, use_tma, block_n, block_k), w_sf, w2_dec, topk_weights.contiguous(), out,
-        align.sorted_ids, align.expert_ids, align.num_padded,
-        r, h, i, align.top_k, align.max_blocks,
-        inter.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0),
-        DETERMINISTIC=deterministic, USE_TMA=use_tma, FAST_DECODE=fast_decode, STREAM_W=stream_weights,
-        EVEN_K=i % block_k == 0, BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        num_warps=num_warps, num_stages=num_stages,
+    run = prepare_moe_w4a16_down(h, i, align.max_blocks, align.block_m, block_n=block_n, block_k=block_k,
+                                 group_m=group_m, num_warps=num_warps, num_stages=num_stages,
+                                 deterministic=deterministic, use_tma=use_tma, fast_decode=fast_decode,
+                                 stream_weights=stream_weights)
+    return run(inter, w2_codes, w_sf, w2_dec, topk_weights, align, out)
+
+
+# Ready launches: grid and compile-time arguments fixed once for an alignment's ``max_blocks`` and ``block_m``;
+# the returned runs check nothing (their inputs are what the launchers above pass: scales as uint8 bytes, R > 0).
+
+def prepare_moe_w4a16_gate_up(h: int, i: int, max_blocks: int, block_m: int, *, block_n: int, block_k: int,
+                              group_m: int, num_warps: int, num_stages: int, activation: str, use_tma: bool,
+                              fast_decode: bool, stream_weights: bool):
+    """``run(x, w13_codes, w13_scales_u8, w13_dec, align, out) -> out`` (the intermediate ``[R, I]``)."""
+    from .launch import ReadyKernel
+
+    launch = ReadyKernel(
+        _moe_w4a16_gate_up_kernel, (max_blocks * triton.cdiv(i, block_n),), ACTIVATION=activation, USE_TMA=use_tma,
+        FAST_DECODE=fast_decode, STREAM_W=stream_weights, EVEN_K=h % block_k == 0, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=num_warps, num_stages=num_stages,
     )
-    return out
+
+    def run(x, w13_codes, w_sf, w13_dec, align, out):
+        launch(x, w13_codes, _weight_arg(w13_codes, use_tma, block_n, block_k), w_sf, w13_dec, out,
+               align.sorted_ids, align.expert_ids, align.num_padded,
+               align.num_routes, i, h, align.top_k, max_blocks,
+               x.stride(0), w13_codes.stride(0), w13_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0))
+        return out
+
+    return run
+
+
+def prepare_moe_w4a16_down(h: int, i: int, max_blocks: int, block_m: int, *, block_n: int, block_k: int,
+                           group_m: int, num_warps: int, num_stages: int, deterministic: bool, use_tma: bool,
+                           fast_decode: bool, stream_weights: bool):
+    """``run(inter, w2_codes, w2_scales_u8, w2_dec, topk_weights, align, out) -> out`` (the fp32 sums)."""
+    from .launch import ReadyKernel
+
+    launch = ReadyKernel(
+        _moe_w4a16_down_kernel, (max_blocks * triton.cdiv(h, block_n),), DETERMINISTIC=deterministic,
+        USE_TMA=use_tma, FAST_DECODE=fast_decode, STREAM_W=stream_weights, EVEN_K=i % block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+    def run(inter, w2_codes, w_sf, w2_dec, topk_weights, align, out):
+        launch(inter, w2_codes, _weight_arg(w2_codes, use_tma, block_n, block_k), w_sf, w2_dec,
+               topk_weights.contiguous(), out, align.sorted_ids, align.expert_ids, align.num_padded,
+               align.num_routes, h, i, align.top_k, max_blocks,
+               inter.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0))
+        return out
+
+    return run

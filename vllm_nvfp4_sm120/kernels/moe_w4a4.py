@@ -229,23 +229,12 @@ def moe_w4a4_gate_up(
         a_codes, a_scales, w13_codes, w13_scales, w13_dec, align, activation, out_codes, out_scales)
     if r == 0:
         return out_codes, out_scales
-    if native_e4m3 is None:
-        native_e4m3 = a_codes.device.type == "cuda" and torch.cuda.get_device_capability(a_codes.device) >= (8, 9)
-    if native_e2m1 is None:
-        native_e2m1 = has_native_e2m1(a_codes.device)
-    grid = (align.max_blocks * triton.cdiv(i, block_n),)
-    _moe_w4a4_gate_up_kernel[grid](
-        a_codes, a_scales.view(torch.uint8), w13_codes, w_sf, w13_dec,
-        check_enc("a13_enc", a13_enc), check_enc("a2_enc", a2_enc), out_codes, out_scales,
-        align.sorted_ids, align.expert_ids, align.num_padded,
-        r, i, h, align.top_k, align.max_blocks,
-        a_codes.stride(0), a_scales.stride(0), w13_codes.stride(0), w13_codes.stride(1), w_sf.stride(0),
-        w_sf.stride(1), out_codes.stride(0), out_scales.stride(0),
-        ACTIVATION=activation, DECODE=decode, NATIVE_E4M3=native_e4m3, NATIVE_E2M1=native_e2m1,
-        BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    return out_codes, out_scales
+    run = prepare_moe_w4a4_gate_up(h, i, align.max_blocks, align.block_m, a_codes.device, block_n=block_n,
+                                   block_k=block_k, group_m=group_m, num_warps=num_warps, num_stages=num_stages,
+                                   activation=activation, decode=decode, native_e4m3=native_e4m3,
+                                   native_e2m1=native_e2m1)
+    return run(a_codes, a_scales.view(torch.uint8), w13_codes, w_sf, w13_dec, check_enc("a13_enc", a13_enc),
+               check_enc("a2_enc", a2_enc), align, out_codes, out_scales)
 
 
 def moe_w4a4_down(
@@ -265,16 +254,67 @@ def moe_w4a4_down(
                                            out, deterministic)
     if r == 0:
         return out
-    grid = (align.max_blocks * triton.cdiv(h, block_n),)
-    _moe_w4a4_down_kernel[grid](
-        a_codes, a_scales.view(torch.uint8), w2_codes, w_sf, w2_dec, check_enc("a2_enc", a2_enc),
-        topk_weights.contiguous(), out,
-        align.sorted_ids, align.expert_ids, align.num_padded,
-        r, h, i, align.top_k, align.max_blocks,
-        a_codes.stride(0), a_scales.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0),
-        w_sf.stride(1), out.stride(0),
-        DETERMINISTIC=deterministic, DECODE=decode,
-        BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        num_warps=num_warps, num_stages=num_stages,
+    run = prepare_moe_w4a4_down(h, i, align.max_blocks, align.block_m, block_n=block_n, block_k=block_k,
+                                group_m=group_m, num_warps=num_warps, num_stages=num_stages,
+                                deterministic=deterministic, decode=decode)
+    return run(a_codes, a_scales.view(torch.uint8), w2_codes, w_sf, w2_dec, check_enc("a2_enc", a2_enc),
+               topk_weights, align, out)
+
+
+# Ready launches: grid and compile-time arguments fixed once for an alignment's ``max_blocks`` and ``block_m``;
+# the returned runs check nothing (their inputs are what the launchers above pass: scales as uint8 bytes, the
+# encode scales as ``[1]``, R > 0).
+
+def prepare_moe_w4a4_gate_up(h: int, i: int, max_blocks: int, block_m: int, device, *, block_n: int, block_k: int,
+                             group_m: int, num_warps: int, num_stages: int, activation: str, decode: bool,
+                             native_e4m3: bool | None = None, native_e2m1: bool | None = None):
+    """``run(a_codes, a_scales_u8, w13_codes, w13_scales_u8, w13_dec, a13_enc, a2_enc, align, out_codes,
+    out_scales) -> (out_codes, out_scales)`` (the FP4 intermediate); ``native_*`` as :func:`moe_w4a4_gate_up`
+    resolves them for ``device``."""
+    import torch
+
+    from .launch import ReadyKernel
+
+    if native_e4m3 is None:
+        native_e4m3 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    if native_e2m1 is None:
+        native_e2m1 = has_native_e2m1(device)
+
+    launch = ReadyKernel(
+        _moe_w4a4_gate_up_kernel, (max_blocks * triton.cdiv(i, block_n),), ACTIVATION=activation, DECODE=decode,
+        NATIVE_E4M3=native_e4m3, NATIVE_E2M1=native_e2m1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP_M=group_m, num_warps=num_warps, num_stages=num_stages,
     )
-    return out
+
+    def run(a_codes, a_sf, w13_codes, w_sf, w13_dec, a13_enc, a2_enc, align, out_codes, out_scales):
+        launch(a_codes, a_sf, w13_codes, w_sf, w13_dec, a13_enc, a2_enc, out_codes, out_scales,
+               align.sorted_ids, align.expert_ids, align.num_padded,
+               align.num_routes, i, h, align.top_k, max_blocks,
+               a_codes.stride(0), a_sf.stride(0), w13_codes.stride(0), w13_codes.stride(1), w_sf.stride(0),
+               w_sf.stride(1), out_codes.stride(0), out_scales.stride(0))
+        return out_codes, out_scales
+
+    return run
+
+
+def prepare_moe_w4a4_down(h: int, i: int, max_blocks: int, block_m: int, *, block_n: int, block_k: int,
+                          group_m: int, num_warps: int, num_stages: int, deterministic: bool, decode: bool):
+    """``run(a_codes, a_scales_u8, w2_codes, w2_scales_u8, w2_dec, a2_enc, topk_weights, align, out) -> out``
+    (the fp32 sums)."""
+    from .launch import ReadyKernel
+
+    launch = ReadyKernel(
+        _moe_w4a4_down_kernel, (max_blocks * triton.cdiv(h, block_n),), DETERMINISTIC=deterministic,
+        DECODE=decode, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+    def run(a_codes, a_sf, w2_codes, w_sf, w2_dec, a2_enc, topk_weights, align, out):
+        launch(a_codes, a_sf, w2_codes, w_sf, w2_dec, a2_enc, topk_weights.contiguous(), out,
+               align.sorted_ids, align.expert_ids, align.num_padded,
+               align.num_routes, h, i, align.top_k, max_blocks,
+               a_codes.stride(0), a_sf.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0),
+               w_sf.stride(1), out.stride(0))
+        return out
+
+    return run

@@ -186,23 +186,47 @@ def w4a16_dequant_mm(
         raise ValueError(f"w4a16_dequant_mm: chunk_n must be a positive int, got {chunk_n!r}")
     if (done := trivial_linear_output(out, k, w_dec_rows, bias)) is not None:
         return done
+    run = prepare_w4a16_dequant_mm(t, n, k, chunk_n=chunk_n, has_bias=bias is not None, fast_decode=fast_decode)
+    return run(x, w_codes, w_scales.view(torch.uint8), w_dec_rows, bias, out)
+
+
+def prepare_w4a16_dequant_mm(t: int, n: int, k: int, *, chunk_n: int, has_bias: bool, fast_decode: bool | None = None):
+    """A ready :func:`w4a16_dequant_mm` for ``x [t, k]`` and an ``[n, k]`` weight (chunks, grids and compile-time
+    arguments fixed once): ``run(x, w_codes, w_scales_u8, w_dec_rows, bias, out) -> out`` checks nothing (its
+    inputs are those :func:`w4a16_dequant_mm` accepts, ``t, n, k > 0``)."""
+    import torch
+
+    from .launch import ReadyKernel
+
     if fast_decode is None:
         fast_decode = not interpreting()
     chunk_n = min(chunk_n, n)
-    scratch = torch.empty((chunk_n, k), dtype=x.dtype, device=x.device)
-    scales_u8 = w_scales.view(torch.uint8)
-    if bias is not None:
-        # cuBLAS adds it (beta = 1) to the fp32 accumulator before the single rounding, as the reference does.
-        out.copy_(bias.expand(t, n))
-    for n0 in range(0, n, chunk_n):
-        rows = min(chunk_n, n - n0)
-        w = scratch[:rows]
-        _launch_dequant(w_codes[n0:n0 + rows], scales_u8[n0:n0 + rows], w_dec_rows[n0:n0 + rows], w, fast_decode)
-        # A column slice of a row-major out is a valid cuBLAS matrix (leading dimension N): torch writes it in
-        # place, without a temporary (aten addmm_out_cuda_impl / prepare_matrix_for_cublas).
-        dst = out[:, n0:n0 + rows]
-        if bias is None:
-            torch.mm(x, w.t(), out=dst)
-        else:
-            dst.addmm_(x, w.t())
-    return out
+    chunks = [(n0, min(chunk_n, n - n0)) for n0 in range(0, n, chunk_n)]
+    const = dict(EVEN_K=k % DEQUANT_BLOCK_K == 0, FAST_DECODE=bool(fast_decode), BLOCK_R=DEQUANT_BLOCK_R,
+                 BLOCK_K=DEQUANT_BLOCK_K, num_warps=DEQUANT_NUM_WARPS)
+    # One ready launch per chunk size (the last chunk may be shorter).
+    launches = {rows: ReadyKernel(_nvfp4_dequant_kernel, (triton.cdiv(rows, DEQUANT_BLOCK_R),
+                                                          triton.cdiv(k, DEQUANT_BLOCK_K)), **const)
+                for rows in {rows for _, rows in chunks}}
+
+    def run(x, w_codes, scales_u8, w_dec_rows, bias, out):
+        scratch = torch.empty((chunk_n, k), dtype=x.dtype, device=x.device)
+        if has_bias:
+            # cuBLAS adds it (beta = 1) to the fp32 accumulator before the single rounding, as the reference does.
+            out.copy_(bias.expand(t, n))
+        for n0, rows in chunks:
+            w = scratch[:rows]
+            codes = w_codes[n0:n0 + rows]
+            sf = scales_u8[n0:n0 + rows]
+            launches[rows](codes, sf, w_dec_rows[n0:n0 + rows], w, rows, k, codes.stride(0), sf.stride(0),
+                           w.stride(0))
+            # A column slice of a row-major out is a valid cuBLAS matrix (leading dimension N): torch writes it in
+            # place, without a temporary (aten addmm_out_cuda_impl / prepare_matrix_for_cublas).
+            dst = out[:, n0:n0 + rows]
+            if has_bias:
+                dst.addmm_(x, w.t())
+            else:
+                torch.mm(x, w.t(), out=dst)
+        return out
+
+    return run

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from .common import check_linear_inputs, check_workspace, interpreting, trivial_linear_output
 from .fp4_decode import dequant_rows_16bit
+from .launch import ReadyKernel
 from .tile_order import grouped_tile
 
 # The MMA's token side: tl.dot needs every dimension >= 16, so the decode kernel pads T up to 16 with masked rows.
@@ -306,10 +307,12 @@ def prepare_w4a16_gemv(t: int, n: int, k: int, *, block_n: int, block_k: int, sp
         fast_decode = not interpreting()
     k_split, splits = _gemv_splits(k, block_k, split_k)
     split = splits > 1
-    main = _w4a16_gemv_kernel[(triton.cdiv(n, block_n), splits, triton.cdiv(t, GEMV_BLOCK_T))]
-    finish = _w4a16_splitk_finish_kernel[(t, triton.cdiv(n, FINISH_BLOCK_N))]
-    const = dict(HAS_BIAS=has_bias, SPLIT=split, EVEN_K=k % block_k == 0, FAST_DECODE=bool(fast_decode),
-                 BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=GEMV_BLOCK_T, num_warps=num_warps, num_stages=num_stages)
+    main = ReadyKernel(_w4a16_gemv_kernel, (triton.cdiv(n, block_n), splits, triton.cdiv(t, GEMV_BLOCK_T)),
+                       HAS_BIAS=has_bias, SPLIT=split, EVEN_K=k % block_k == 0, FAST_DECODE=bool(fast_decode),
+                       BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=GEMV_BLOCK_T, num_warps=num_warps,
+                       num_stages=num_stages)
+    finish = ReadyKernel(_w4a16_splitk_finish_kernel, (t, triton.cdiv(n, FINISH_BLOCK_N)),
+                         HAS_BIAS=has_bias, BLOCK_N=FINISH_BLOCK_N, num_warps=4)
     numel = splits * t * n
 
     def run(x, w_codes, w_scales_u8, w_dec_rows, bias, out, workspace=None):
@@ -317,10 +320,9 @@ def prepare_w4a16_gemv(t: int, n: int, k: int, *, block_n: int, block_k: int, sp
         if split and workspace is None:
             workspace = torch.empty(numel, dtype=torch.float32, device=x.device)
         main(x, w_codes, w_scales_u8, w_dec_rows, bias_arg, out, workspace if split else out,
-             t, n, k, k_split, x.stride(0), w_codes.stride(0), w_scales_u8.stride(0), out.stride(0), **const)
+             t, n, k, k_split, x.stride(0), w_codes.stride(0), w_scales_u8.stride(0), out.stride(0))
         if split:
-            finish(workspace, w_dec_rows, bias_arg, out, t, n, splits, out.stride(0),
-                   HAS_BIAS=has_bias, BLOCK_N=FINISH_BLOCK_N, num_warps=4)
+            finish(workspace, w_dec_rows, bias_arg, out, t, n, splits, out.stride(0))
         return out
 
     return run
@@ -369,14 +371,14 @@ def prepare_w4a16_gemm(t: int, n: int, k: int, *, block_m: int, block_n: int, bl
     arguments fixed once); ``run(x, w_codes, w_scales_u8, w_dec_rows, bias, out) -> out`` checks nothing."""
     if fast_decode is None:
         fast_decode = not interpreting()
-    launch = _w4a16_gemm_kernel[(triton.cdiv(t, block_m) * triton.cdiv(n, block_n),)]
-    const = dict(HAS_BIAS=has_bias, EVEN_K=k % block_k == 0, FAST_DECODE=bool(fast_decode),
-                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, SWAP_AB=bool(swap_ab),
-                 num_warps=num_warps, num_stages=num_stages)
+    launch = ReadyKernel(_w4a16_gemm_kernel, (triton.cdiv(t, block_m) * triton.cdiv(n, block_n),),
+                         HAS_BIAS=has_bias, EVEN_K=k % block_k == 0, FAST_DECODE=bool(fast_decode),
+                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, SWAP_AB=bool(swap_ab),
+                         num_warps=num_warps, num_stages=num_stages)
 
     def run(x, w_codes, w_scales_u8, w_dec_rows, bias, out):
         launch(x, w_codes, w_scales_u8, w_dec_rows, out if bias is None else bias, out, t, n, k,
-               x.stride(0), w_codes.stride(0), w_scales_u8.stride(0), out.stride(0), **const)
+               x.stride(0), w_codes.stride(0), w_scales_u8.stride(0), out.stride(0))
         return out
 
     return run

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .fp4_decode import expand_scales_f32, unpack_rows_f32
+from .launch import ReadyKernel
 from .tile_order import grouped_tile
 
 
@@ -144,14 +145,13 @@ def prepare_w4a4_gemm(m: int, n: int, k: int, *, block_m: int, block_n: int, blo
     """A ready launch of :func:`w4a4_gemm` for ``A [m, k]`` and ``W [n, k]`` (grid and compile-time arguments fixed
     once); ``run(a_codes, a_scales_u8, w_codes, w_scales_u8, alpha, bias, out) -> out`` checks nothing (its inputs
     are those :func:`w4a4_gemm` accepts, ``m, n > 0``)."""
-    launch = _w4a4_gemm_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)]
-    const = dict(HAS_BIAS=has_bias, DECODE=decode, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                 GROUP_M=group_m, num_warps=num_warps, num_stages=num_stages)
+    launch = ReadyKernel(_w4a4_gemm_kernel, (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),),
+                         HAS_BIAS=has_bias, DECODE=decode, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                         GROUP_M=group_m, num_warps=num_warps, num_stages=num_stages)
 
     def run(a_codes, a_scales_u8, w_codes, w_scales_u8, alpha, bias, out):
         launch(a_codes, a_scales_u8, w_codes, w_scales_u8, out, alpha, out if bias is None else bias, m, n, k,
-               a_codes.stride(0), a_scales_u8.stride(0), w_codes.stride(0), w_scales_u8.stride(0), out.stride(0),
-               **const)
+               a_codes.stride(0), a_scales_u8.stride(0), w_codes.stride(0), w_scales_u8.stride(0), out.stride(0))
         return out
 
     return run
