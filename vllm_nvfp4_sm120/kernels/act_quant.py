@@ -13,16 +13,23 @@ buffer may come from ``torch.empty`` and nothing extra runs under a CUDA graph.
 
 Exactness on every target:
 - divisions are ``tl.div_rn`` (IEEE); a plain ``/`` is approximate on the GPU.
-- e2m1 rounding is one fp32 add of a binade-dependent "magic number" (it rounds once, ties to even), or on
-  sm_120 (``NATIVE_E2M1``) the hardware ``cvt.rn.satfinite.e2m1x2.f32``, which rounds the same way.
+- e2m1 rounding: the code is RNE of a concave piecewise-linear map of |x| (three fp32 lines, each one fused
+  multiply-add onto a "magic number", then their minimum; see ``_e2m1_nibbles``), or on sm_120 (``NATIVE_E2M1``)
+  the hardware ``cvt.rn.satfinite.e2m1x2.f32``, which rounds the same way.
 - e4m3 rounding: ``NATIVE_E4M3=True`` uses Triton's fp32 → fp8e4nv cast, which lowers to
   ``cvt.rn.satfinite.e4m3x2.f32`` (RNE; sm_89+, so on sm_90 and sm_120 alike).  The interpreter's cast is *not*
   RNE (it rounds ties away and does not carry into the exponent), so ``NATIVE_E4M3=False`` does the rounding in
   integer arithmetic on the fp32 bits; the launcher picks it on CPU.  Both are checked against each other on GPU.
 
 Grid: rows x K-chunks, so a handful of rows with K = 28672 still spreads over many programs.  Each program reads
-``BLOCK_T x BLOCK_K`` activations as ``[BLOCK_T, BLOCK_K/16, 16]`` (the 16-element scale block is the last axis, so
-the block amax needs no data movement) with 16-byte vector loads.
+``BLOCK_T x BLOCK_K`` activations with 16-byte vector loads, laid out so that one thread holds a whole 16-element
+scale block (two loads, the halves on a leading axis of the tile): the block amax, the scale and its reciprocal
+are computed once per block, with no shuffle between threads.  bf16 rows are read as 32-bit pairs, so that each
+value becomes fp32 with one shift or mask (the row stride must be even).
+
+On the H200 the quantizer is bound by the ALU pipe (compare, select, logic and shifts issue at half the fp32 rate),
+so the per-element sequence is written to keep most of its work on the fp32 pipe; the instruction count per
+element is pinned by a compile test.
 """
 
 import triton
@@ -50,22 +57,34 @@ _MAGIC = tl.constexpr(12582912.0)
 _MAGIC_BITS = tl.constexpr(0x4B400000)
 
 
-@triton.jit
-def _e2m1_codes(v):
-    """fp32 → 4-bit e2m1 code (int32): nearest, ties to even, saturating at ±6; -0 and tiny negatives give 8.
+# 2^23: adding a value v in [0, 8) to it rounds v to an integer, ties to even (fp32 has ulp 1 in [2^23, 2^24)), and
+# the integer is then the low byte of the sum's bit pattern (0x4B000000 + v).
+_E2M1_MAGIC = tl.constexpr(8388608.0)
 
-    The e2m1 grid is {0, .5, 1, 1.5} ∪ {2, 3} ∪ {4, 6}: step 2^(d-1) in the binade d = 0 (a < 2), 1, 2 of
-    max(a, 1).  Adding M = 1.5 * 2^(22+d) + 2 ulps (ulp = the step) rounds a to the grid in one fp32 add, ties to
-    even, and leaves k + 2 in the sum's low bits, k = rint(a / step).  The code is k + 2d (the binades start at
-    codes 0, 4, 6 and at k = 0, 2, 2), i.e. the sum's low bits plus (bits(2^d) >> 22) = 254 + 2d, mod 8.
-    This is mostly float math: the H200 has twice the fp32 rate of its compare/select/logic pipe.
+
+@triton.jit
+def _e2m1_nibbles(v):
+    """fp32 → int32 whose low byte is the 4-bit e2m1 code of ``v`` (bits 4-7 zero, garbage from bit 24 up).
+
+    Nearest, ties to even, saturating at ±6; the sign bit follows ``v``'s (-0 and tiny negatives give 8).
+    The code of a = |v| in [0, 6] is RNE(f(a)) with f the line through the grid points (value, code) =
+    (0, 0), (.5, 1), (1, 2), (1.5, 3), (2, 4), (3, 5), (4, 6), (6, 7): f(a) = min(2a, a + 2, a/2 + 4), a concave
+    map, so the minimum of three lines.  Rounding is monotone, hence RNE(min) = min(RNE), and each line is rounded
+    once by adding it to 2^23 in one fused multiply-add (exact slope and offset, one rounding); f maps the
+    midpoints between grid values to half-integers and even codes are the grid values with an even mantissa, so
+    ties land where the reference sends them.  NaN: ``minimum`` keeps the 6, so code 7 with ``v``'s sign bit.
+    Three fp32 pipe operations and three compares per value: the H200 runs fp32 at twice its compare rate.
     """
     a = tl.minimum(tl.abs(v), 6.0)
-    pow2d = (tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)  # 2^d
-    t = a + pow2d * 6291457.0  # 6291457 = 1.5 * 2^22 + 1: exact, and the +1 is the 2 ulps
-    code = t.to(tl.int32, bitcast=True) + (pow2d.to(tl.int32, bitcast=True) >> 22)
-    top4 = (v.to(tl.uint32, bitcast=True) >> 28).to(tl.int32)  # bit 3 = the sign bit
-    return (code & 7) | (top4 & -8)  # one bitwise select on the GPU
+    c = tl.minimum(tl.minimum(a * 2.0 + _E2M1_MAGIC, a + (_E2M1_MAGIC + 2.0)), a * 0.5 + (_E2M1_MAGIC + 4.0))
+    sign = (v.to(tl.uint32, bitcast=True) >> 28).to(tl.int32) & 8
+    return c.to(tl.int32, bitcast=True) | sign
+
+
+@triton.jit
+def _e2m1_codes(v):
+    """fp32 → 4-bit e2m1 code (int32): nearest, ties to even, saturating at ±6; -0 and tiny negatives give 8."""
+    return _e2m1_nibbles(v) & 15
 
 
 @triton.jit
@@ -116,7 +135,7 @@ def quantize_blocks_nvfp4(x, enc, NATIVE_E4M3: tl.constexpr, NATIVE_E2M1: tl.con
     that quantizes to NVFP4 (activations here, the W4A4 MoE intermediate in ``moe_w4a4``); a kernel with a 2-D
     ``[R, C]`` tile passes ``tl.reshape(tile, (R, C // 16, 16))``.  Element 2i of a block is the low nibble.
     ``NATIVE_E2M1`` (sm_120 only): the e2m1 rounding by the hardware convert instead of fp32/integer arithmetic
-    (which costs about a dozen ALU operations per element and limits the quantizer on the H200).
+    (which costs seven operations per element, three of them compares, and the byte packing).
     """
     amax = tl.max(tl.abs(x), axis=2)
     sf_byte, sf_val = _e4m3_rne(tl.minimum(enc * (amax * _ONE_SIXTH), 448.0), NATIVE_E4M3)
@@ -129,9 +148,10 @@ def quantize_blocks_nvfp4(x, enc, NATIVE_E4M3: tl.constexpr, NATIVE_E2M1: tl.con
     if NATIVE_E2M1:
         lo, hi = tl.split(tl.reshape(scaled, (x.shape[0], x.shape[1], 8, 2)))
         return _e2m1x2_native(lo, hi), sf_byte.to(tl.uint8)
-    codes = _e2m1_codes(scaled)
-    lo, hi = tl.split(tl.reshape(codes, (x.shape[0], x.shape[1], 8, 2)))
-    return (lo | (hi << 4)).to(tl.uint8), sf_byte.to(tl.uint8)
+    # Element 2i's code in bits 0-3, 2i+1's in bits 4-7 (one multiply-add per byte); the garbage of
+    # _e2m1_nibbles starts at bit 24, so the truncation to uint8 drops it.
+    lo, hi = tl.split(tl.reshape(_e2m1_nibbles(scaled), (x.shape[0], x.shape[1], 8, 2)))
+    return (lo + (hi << 4)).to(tl.uint8), sf_byte.to(tl.uint8)
 
 
 @triton.jit(do_not_specialize=["T", "SF_ROWS"])  # token counts vary per call
@@ -152,11 +172,24 @@ def _act_quant_kernel(
     blk_ok = blk < K // 16
     rows64 = rows.to(tl.int64)
 
-    elem = blk[:, None] * 16 + tl.arange(0, 16)[None, :]  # [NB, 16]
-    x_ptrs = x_ptr + rows64[:, None, None] * stride_xt + elem[None, :, :]
-    x_mask = row_ok[:, None, None] & blk_ok[None, :, None]
-    # evict_last: the activation stays in L2 for whatever reads it next (the residual, the next quant).
-    x = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    # The tile is [2, BLOCK_T, NB, 8 values]: the two halves of a scale block on the leading axis, so that Triton's
+    # layout keeps both in one thread (lanes and warps go to the block and row axes) and the block amax is a
+    # reduction in registers.  evict_last: the activation stays in L2 for whatever reads it next (the residual,
+    # the next quant).
+    half = tl.arange(0, 2)[:, None, None, None]
+    x_mask = row_ok[None, :, None, None] & blk_ok[None, None, :, None]
+    if x_ptr.dtype.element_ty == tl.bfloat16:
+        # 32-bit pairs (value 2i in the low half): bf16 → fp32 is then one shift or one mask per value.
+        w = blk[:, None] * 8 + tl.arange(0, 4)[None, :]  # [NB, 4] pair index in the row
+        p_ptrs = x_ptr.to(tl.pointer_type(tl.int32)) + half * 4 + rows64[None, :, None, None] * (stride_xt // 2)
+        p = tl.load(p_ptrs + w[None, None, :, :], mask=x_mask, other=0, eviction_policy="evict_last")
+        x = tl.join((p << 16).to(tl.float32, bitcast=True), (p & -65536).to(tl.float32, bitcast=True))
+        x = tl.reshape(tl.permute(x, (1, 2, 0, 3, 4)), (BLOCK_T, NB, 16))
+    else:
+        elem = blk[:, None] * 16 + tl.arange(0, 8)[None, :]  # [NB, 8]
+        x_ptrs = x_ptr + half * 8 + rows64[None, :, None, None] * stride_xt + elem[None, None, :, :]
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        x = tl.reshape(tl.permute(x, (1, 2, 0, 3)), (BLOCK_T, NB, 16))
 
     packed, sf_byte = quantize_blocks_nvfp4(x, tl.load(enc_ptr), NATIVE_E4M3, NATIVE_E2M1)  # [BT, NB, 8], [BT, NB]
     byte_idx = blk[:, None] * 8 + tl.arange(0, 8)[None, :]  # [NB, 8]
@@ -205,6 +238,7 @@ def quantize_act_nvfp4(
     ``out_codes`` may be a row-strided view (e.g. into a K-padded buffer); ``out_scales`` may be e4m3 or uint8.
     ``in_enc``: one fp32 element on x's device, the ENCODE global (vLLM ``input_global_scale_inv``).
     NaN/inf in ``x`` are not checked (that would need a host sync); NVFP4 cannot represent them.
+    bf16 rows must start on 4-byte boundaries (even row stride): the kernel reads them as 32-bit pairs.
     ``native_e4m3`` / ``native_e2m1``: None = the hardware converts where they exist (e4m3: any GPU from sm_89;
     e2m1: sm_120), the exact arithmetic otherwise.
     """
@@ -217,6 +251,10 @@ def quantize_act_nvfp4(
     t, k = x.shape
     if k == 0 or k % 16:
         raise ValueError(f"x: K = {k} (last dimension of shape {list(x.shape)}) must be a positive multiple of 16")
+    if x.dtype == torch.bfloat16 and t > 0 and ((t > 1 and x.stride(0) % 2) or x.data_ptr() % 4):
+        # The kernel reads bf16 rows as 32-bit pairs.
+        raise ValueError(f"x: bf16 rows must start on 4-byte boundaries (even row stride, 4-byte aligned start), got "
+                         f"stride {x.stride(0)} of shape {list(x.shape)} at address offset {x.data_ptr() % 4}")
     check_tensor("in_enc", in_enc, dtype=torch.float32, device=x.device)
     if in_enc.numel() != 1:
         raise ValueError(f"in_enc: expected one fp32 encode global scale, got shape {list(in_enc.shape)}")
