@@ -32,6 +32,8 @@ so the per-element sequence is written to keep most of its work on the fp32 pipe
 element is pinned by a compile test.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -75,10 +77,44 @@ def _e2m1_nibbles(v):
     ties land where the reference sends them.  NaN: ``minimum`` keeps the 6, so code 7 with ``v``'s sign bit.
     Three fp32 pipe operations and three compares per value: the H200 runs fp32 at twice its compare rate.
     """
+    sign = (v.to(tl.uint32, bitcast=True) >> 28).to(tl.int32) & 8
+    return _e2m1_magnitudes(v) | sign
+
+
+# Eight e2m1 codes → one 32-bit word of packed bytes (byte k = pair k, its first value in the low nibble).  The
+# magnitudes by Horner's rule on the _e2m1_magnitudes words in the integer multiply-add pipe (their 2^23 bit
+# patterns sum to 17 * 0x4B000000 = 0xFB000000 mod 2^32, cancelled by one add); the sign bits by byte permutes
+# that replicate each value's sign byte (selector nibble 8 | byte): two signs per permute, a third gathers four,
+# and one mask-or each for bits 3 and 7 of the bytes.  pack=4: $1-$4 the low values' magnitude words, $5-$8 the
+# high ones', $9-$12 and $13-$16 the fp32 values themselves (for the sign bits; a NaN from the scaling multiply
+# is the positive canonical NaN, as in _e2m1_nibbles).
+_PACK_E2M1X8 = tl.constexpr(
+    "{\n.reg .b32 w, a, b, c, d;\n"
+    "mad.lo.u32 w, $8, 16, $4;\nmad.lo.u32 w, w, 16, $7;\nmad.lo.u32 w, w, 16, $3;\nmad.lo.u32 w, w, 16, $6;\n"
+    "mad.lo.u32 w, w, 16, $2;\nmad.lo.u32 w, w, 16, $5;\nmad.lo.u32 w, w, 16, $1;\nadd.u32 w, w, 0x05000000;\n"
+    "prmt.b32 a, $9, $10, 0xFBFB;\nprmt.b32 b, $11, $12, 0xFBFB;\nprmt.b32 a, a, b, 0x5410;\n"
+    "prmt.b32 c, $13, $14, 0xFBFB;\nprmt.b32 d, $15, $16, 0xFBFB;\nprmt.b32 c, c, d, 0x5410;\n"
+    "and.b32 a, a, 0x08080808;\nand.b32 c, c, 0x80808080;\nor.b32 w, w, a;\nor.b32 $0, w, c;\n}"
+)
+# The interpreter cannot run PTX: there (False) the same bytes come from _e2m1_nibbles and a shift-add per byte,
+# the block amax from fp32 and the reciprocal from div_rn.
+_PACK_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+
+@triton.jit
+def _e2m1_magnitudes(v):
+    """fp32 → int32 bit pattern 0x4B000000 + e2m1 magnitude code of ``v`` (see :func:`_e2m1_nibbles`)."""
     a = tl.minimum(tl.abs(v), 6.0)
     c = tl.minimum(tl.minimum(a * 2.0 + _E2M1_MAGIC, a + (_E2M1_MAGIC + 2.0)), a * 0.5 + (_E2M1_MAGIC + 4.0))
-    sign = (v.to(tl.uint32, bitcast=True) >> 28).to(tl.int32) & 8
-    return c.to(tl.int32, bitcast=True) | sign
+    return c.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _e2m1x8_pack_ptx(lo, hi):
+    """fp32 pairs → packed e2m1 bytes (``lo`` in the low nibble) by :data:`_PACK_E2M1X8` (GPU only)."""
+    return tl.inline_asm_elementwise(_PACK_E2M1X8, "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                     [_e2m1_magnitudes(lo), _e2m1_magnitudes(hi), lo, hi],
+                                     dtype=tl.uint8, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -127,6 +163,47 @@ def _e2m1x2_native(lo, hi):
 
 
 @triton.jit
+def _rcp_rn_ptx(v):
+    """Correctly rounded fp32 reciprocal (``rcp.rn.f32``: the value of ``div_rn(1, v)``, with fewer instructions)."""
+    return tl.inline_asm_elementwise("rcp.rn.f32 $0, $1;", "=r,r", [v], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _absmax_bf16x2_ptx(a, b):
+    """Two bf16 pairs (int32) → the pair of their larger magnitudes (sign bits: the xor of the two signs)."""
+    return tl.inline_asm_elementwise("max.xorsign.abs.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _block_scales(amax, enc, NATIVE_E4M3: tl.constexpr, PTX: tl.constexpr):
+    """Block amax (fp32) → (e4m3 scale byte as uint8, the fp32 factor that takes the block to the e2m1 range)."""
+    sf_byte, sf_val = _e4m3_rne(tl.minimum(enc * (amax * _ONE_SIXTH), 448.0), NATIVE_E4M3)
+    dec = sf_val * tl.div_rn(1.0, enc)
+    # 1/0 := 0 keeps an all-zero block at code 0 instead of 0 * inf = NaN.  The scalar 1.0 is broadcast by
+    # div_rn itself (no tl.full: Gluon kernels call this function too, and Gluon's full needs a layout).
+    is_zero = dec == 0.0
+    if PTX:
+        elem_scale = tl.where(is_zero, 0.0, _rcp_rn_ptx(dec))
+    else:
+        elem_scale = tl.where(is_zero, 0.0, tl.div_rn(1.0, tl.where(is_zero, 1.0, dec)))
+    return sf_byte.to(tl.uint8), elem_scale
+
+
+@triton.jit
+def _e2m1_bytes(scaled, NATIVE_E2M1: tl.constexpr, PTX: tl.constexpr):
+    """fp32 ``[R, NB, 16]`` (already scaled) → packed e2m1 codes ``[R, NB, 8]`` uint8, element 2i in the low nibble."""
+    lo, hi = tl.split(tl.reshape(scaled, (scaled.shape[0], scaled.shape[1], 8, 2)))
+    if NATIVE_E2M1:
+        return _e2m1x2_native(lo, hi)
+    if PTX:
+        return _e2m1x8_pack_ptx(lo, hi)
+    # Element 2i's code in bits 0-3, 2i+1's in bits 4-7 (one multiply-add per byte); the garbage of
+    # _e2m1_nibbles starts at bit 24, so the truncation to uint8 drops it.
+    return (_e2m1_nibbles(lo) + (_e2m1_nibbles(hi) << 4)).to(tl.uint8)
+
+
+@triton.jit
 def quantize_blocks_nvfp4(x, enc, NATIVE_E4M3: tl.constexpr, NATIVE_E2M1: tl.constexpr = False):
     """fp32 blocks ``[R, NB, 16]`` → (packed e2m1 codes ``[R, NB, 8]`` uint8, e4m3 scale bytes ``[R, NB]`` uint8).
 
@@ -136,22 +213,10 @@ def quantize_blocks_nvfp4(x, enc, NATIVE_E4M3: tl.constexpr, NATIVE_E2M1: tl.con
     ``[R, C]`` tile passes ``tl.reshape(tile, (R, C // 16, 16))``.  Element 2i of a block is the low nibble.
     ``NATIVE_E2M1`` (sm_120 only): the e2m1 rounding by the hardware convert instead of fp32/integer arithmetic
     (which costs seven operations per element, three of them compares, and the byte packing).
+    The activation kernel runs the same steps with its own block amax and the PTX variants (``_PACK_PTX``).
     """
-    amax = tl.max(tl.abs(x), axis=2)
-    sf_byte, sf_val = _e4m3_rne(tl.minimum(enc * (amax * _ONE_SIXTH), 448.0), NATIVE_E4M3)
-    dec = sf_val * tl.div_rn(1.0, enc)
-    # 1/0 := 0 keeps an all-zero block at code 0 instead of 0 * inf = NaN.  The scalar 1.0 is broadcast by
-    # div_rn itself (no tl.full: Gluon kernels call this function too, and Gluon's full needs a layout).
-    is_zero = dec == 0.0
-    elem_scale = tl.where(is_zero, 0.0, tl.div_rn(1.0, tl.where(is_zero, 1.0, dec)))
-    scaled = x * elem_scale[:, :, None]
-    if NATIVE_E2M1:
-        lo, hi = tl.split(tl.reshape(scaled, (x.shape[0], x.shape[1], 8, 2)))
-        return _e2m1x2_native(lo, hi), sf_byte.to(tl.uint8)
-    # Element 2i's code in bits 0-3, 2i+1's in bits 4-7 (one multiply-add per byte); the garbage of
-    # _e2m1_nibbles starts at bit 24, so the truncation to uint8 drops it.
-    lo, hi = tl.split(tl.reshape(_e2m1_nibbles(scaled), (x.shape[0], x.shape[1], 8, 2)))
-    return (lo + (hi << 4)).to(tl.uint8), sf_byte.to(tl.uint8)
+    sf_byte, elem_scale = _block_scales(tl.max(tl.abs(x), axis=2), enc, NATIVE_E4M3, False)
+    return _e2m1_bytes(x * elem_scale[:, :, None], NATIVE_E2M1, False), sf_byte
 
 
 @triton.jit(do_not_specialize=["T", "SF_ROWS"])  # token counts vary per call
@@ -179,19 +244,28 @@ def _act_quant_kernel(
     half = tl.arange(0, 2)[:, None, None, None]
     x_mask = row_ok[None, :, None, None] & blk_ok[None, None, :, None]
     if x_ptr.dtype.element_ty == tl.bfloat16:
-        # 32-bit pairs (value 2i in the low half): bf16 → fp32 is then one shift or one mask per value.
+        # 32-bit pairs (value 2i in the low half): bf16 → fp32 is then one shift or one mask per value, and the
+        # block amax takes seven packed bf16x2 maxima (exact: a maximum rounds nothing) and one fp32 one.
         w = blk[:, None] * 8 + tl.arange(0, 4)[None, :]  # [NB, 4] pair index in the row
         p_ptrs = x_ptr.to(tl.pointer_type(tl.int32)) + half * 4 + rows64[None, :, None, None] * (stride_xt // 2)
         p = tl.load(p_ptrs + w[None, None, :, :], mask=x_mask, other=0, eviction_policy="evict_last")
         x = tl.join((p << 16).to(tl.float32, bitcast=True), (p & -65536).to(tl.float32, bitcast=True))
         x = tl.reshape(tl.permute(x, (1, 2, 0, 3, 4)), (BLOCK_T, NB, 16))
+        if _PACK_PTX:
+            m = tl.reduce(tl.reduce(p, 3, _absmax_bf16x2_ptx), 0, _absmax_bf16x2_ptx)  # [BT, NB] bf16 pairs
+            amax = tl.maximum(tl.abs((m << 16).to(tl.float32, bitcast=True)),
+                              tl.abs((m & -65536).to(tl.float32, bitcast=True)))
+        else:
+            amax = tl.max(tl.abs(x), axis=2)
     else:
         elem = blk[:, None] * 16 + tl.arange(0, 8)[None, :]  # [NB, 8]
         x_ptrs = x_ptr + half * 8 + rows64[None, :, None, None] * stride_xt + elem[None, None, :, :]
         x = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         x = tl.reshape(tl.permute(x, (1, 2, 0, 3)), (BLOCK_T, NB, 16))
+        amax = tl.max(tl.abs(x), axis=2)
 
-    packed, sf_byte = quantize_blocks_nvfp4(x, tl.load(enc_ptr), NATIVE_E4M3, NATIVE_E2M1)  # [BT, NB, 8], [BT, NB]
+    sf_byte, elem_scale = _block_scales(amax, tl.load(enc_ptr), NATIVE_E4M3, _PACK_PTX)
+    packed = _e2m1_bytes(x * elem_scale[:, :, None], NATIVE_E2M1, _PACK_PTX)  # [BT, NB, 8]
     byte_idx = blk[:, None] * 8 + tl.arange(0, 8)[None, :]  # [NB, 8]
     c_ptrs = codes_ptr + rows64[:, None, None] * stride_ct + byte_idx[None, :, :]
     tl.store(c_ptrs, packed, mask=row_ok[:, None, None] & blk_ok[None, :, None])
