@@ -176,7 +176,9 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
     return rows
 
 
-def bench_act_quant(ks: list[int], tokens: list[int]) -> list[Row]:
+def bench_act_quant(ks: list[int], tokens: list[int], dram_read_tbs: float | None = None) -> list[Row]:
+    """bf16 ``[T, K]`` → NVFP4 codes + linear scales on the dispatch's tile; the note gives the bytes moved (in + out)
+    per second and, with ``dram_read_tbs`` (the same run's read ceiling), their fraction of it (the goal: 0.85)."""
     from .dispatch.linear import act_quant_config
     from .kernels.act_quant import quantize_act_nvfp4
 
@@ -188,9 +190,14 @@ def bench_act_quant(ks: list[int], tokens: list[int]) -> list[Row]:
             tile = act_quant_config(t, k)
             sec = time_graph(lambda: [quantize_act_nvfp4(x, in_enc, **tile) for x in xs]) / len(xs)
             moved = 2 * t * k + t * k // 2 + t * k // 16
+            note = f"{moved / sec / 1e12:.2f} TB/s read+write"
+            if dram_read_tbs:
+                note += f", {moved / sec / 1e12 / dram_read_tbs:.2f} of read BW"
+            note += f", tile {tile['block_t']}x{tile['block_k']} w{tile['num_warps']}"
             rows.append(Row("-", "act_quant", 0, k, t, "ours-act-quant", sec * 1e6, 0.0, 2 * t * k / sec / 1e12,
-                            f"{moved / sec / 1e12:.2f} TB/s read+write"))
+                            note))
             print(_fmt(rows[-1]), flush=True)
+            del xs
     return rows
 
 
@@ -869,7 +876,7 @@ def run_kernel_bench(args: argparse.Namespace) -> int:
     elif args.what == "sweep_gemv":
         rows = sweep_w4a16_gemv(models, tokens, min_bytes)
     elif args.what == "act_quant":
-        rows = bench_act_quant([5120, 8192, 25600, 28672], tokens)
+        rows = bench_act_quant([5120, 8192, 25600, 28672], tokens, ceil["dram_read_tbs"])
     if args.json:
         emit_json({"ceilings": ceil, "rows": [asdict(r) for r in rows]}, args.json)
     return 0

@@ -266,6 +266,26 @@ def test_infinities(dtype, gen):
     torch.testing.assert_close(scales.cpu().view(torch.uint8), ref.scales.view(torch.uint8), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_subnormal_activations(dtype, gen):
+    # Blocks of bf16/fp16 subnormals, alone and next to normal values (the bf16 ones go through the packed bf16x2
+    # amax on the GPU).
+    tiny = torch.finfo(dtype).tiny
+    x = (torch.randn(4, 64, generator=gen) * tiny * 0.4).to(dtype)
+    x[0, :16] = tiny * 0.01
+    x[1, 16:32] = -tiny * 0.999
+    x[2, 5], x[3, 40] = 3.0, -1e-3
+    for gs in (GlobalScale.from_encode(2.0**110), GlobalScale.from_encode(1.0), _enc(x)):
+        _check(x.to(_device()), gs, swizzled=False)
+    # An encode global of 2^126 gives the subnormal blocks non-zero scales; their reciprocal then overflows to inf,
+    # and the kernel's codes for 0 * inf differ from the reference's (NaN), so only the scales are compared.
+    gs = GlobalScale.from_encode(2.0**126)
+    _, scales = quantize_act_nvfp4(x.to(_device()), gs.enc.reshape(1).to(_device()), **act_quant_config(4, 64))
+    want = quantize_nvfp4(x, gs).scales.view(torch.uint8)
+    assert want.any()
+    torch.testing.assert_close(scales.cpu().view(torch.uint8), want, rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nans_gpu(dtype, gen):
@@ -288,8 +308,8 @@ def test_nans_gpu(dtype, gen):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_encode_globals_over_200_binades_gpu(dtype):
-    # Block reciprocals from 2^-100 to 2^100 times the data's own global: subnormal and saturated scales, and
-    # the slow path of the reciprocal at both ends.
+    # Encode globals from 2^-100 to 2^100 times the data's own: all-zero, subnormal and saturated scales, block
+    # reciprocals (rcp.rn on the GPU) over 200 binades.
     gen = torch.Generator().manual_seed(5)
     x = _activations(33, 512, dtype, gen, strided=True)
     for e in range(-100, 101, 10):
@@ -417,16 +437,18 @@ def test_arithmetic_e2m1_compiles_for_sm90():
     assert path.count(r"HMNMX2(\..*)?") == 7 * blocks, path.ops
     assert path.count(r"LDG\.E\.EL\.128") == 2 * blocks and path.count(r"STG\.E\.64") == blocks, path.ops
     rep.require_ptx(r"rcp\.rn\.f32").require_ptx(r"max\.xorsign\.abs\.bf16x2")
+    # The scale bytes go straight from registers to memory (no staging through shared memory).
+    assert not rep.has_sass(r"\bBAR\b") and not rep.has_sass(r"\bSTS\b"), "scale bytes staged in shared memory"
     # Regression bound on the instruction count: 19.6 per element (11.6 of the compare/logic class) before the
-    # fp32-line rounding, the one-block-per-thread tile and the PTX packing; 15.2 (7.0) now.
+    # fp32-line rounding, the one-block-per-thread tile and the PTX packing; 14.5 (6.5) now.
     total, compare_logic, path = _per_element(rep, 8, 1024, 4)
     print(rep.summary(), f"{total:.2f} instructions per element, {compare_logic:.2f} compare/logic")
-    assert total <= 15.5 and compare_logic <= 7.2, (total, compare_logic, path.by_class())
+    assert total <= 14.8 and compare_logic <= 6.7, (total, compare_logic, path.by_class())
 
 
 @pytest.mark.compile
 def test_native_e2m1_instruction_count_sm120():
-    # The large-T tile on sm_120 (hardware e2m1 and e4m3 converts): 11.3 per element before this layout, 7.7 now.
+    # The large-T tile on sm_120 (hardware e2m1 and e4m3 converts): 11.3 per element before this layout, 7.0 now.
     from vllm_nvfp4_sm120.kernels.aot import compile_kernel
 
     rep = compile_kernel(KERNEL, ACT_QUANT_SIGNATURE,
@@ -434,7 +456,7 @@ def test_native_e2m1_instruction_count_sm120():
                          num_warps=4, divisible=ACT_QUANT_DIVISIBLE, arch=120)
     total, compare_logic, path = _per_element(rep, 8, 1024, 4)
     print(rep.summary(), f"{total:.2f} instructions per element, {compare_logic:.2f} compare/logic")
-    assert total <= 8.0, (total, path.by_class())
+    assert total <= 7.2, (total, path.by_class())
 
 
 # ---------------------------------------------------------------------------------------------------------------
