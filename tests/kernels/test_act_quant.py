@@ -10,6 +10,7 @@ Compile: the dispatch's tiles for sm_120 (and the convert instructions they use)
 element as a regression bound.
 """
 
+import itertools
 import re
 
 import pytest
@@ -26,6 +27,7 @@ from vllm_nvfp4_sm120.kernels.act_quant import (
     _e2m1_codes,
     _e2m1x8_pack_ptx,
     _e4m3_rne,
+    has_native_e2m1,
     quantize_act_nvfp4,
 )
 from vllm_nvfp4_sm120.kernels.sass_stats import main_path
@@ -472,10 +474,12 @@ def test_real_shapes_gpu(t, k):
     gs = _enc(x)
     ref = quantize_nvfp4(x, gs)  # on the CPU: exact IEEE division, no fast-math
     xd = x.cuda()
-    for native in (True, False):
+    # The portable e2m1 path (fp32 lines, PTX packing) on every GPU, the hardware convert too where it exists.
+    e2m1_paths = (False, True) if has_native_e2m1(xd.device) else (False,)
+    for native, e2m1 in itertools.product((True, False), e2m1_paths):
         for swizzled in (False, True):
             codes, scales = quantize_act_nvfp4(xd, gs.enc.reshape(1).cuda(), swizzled=swizzled, native_e4m3=native,
-                                               **act_quant_config(t, k, swizzled))
+                                               native_e2m1=e2m1, **act_quant_config(t, k, swizzled))
             torch.testing.assert_close(codes.cpu(), ref.codes, rtol=0, atol=0)
             want = swizzle_128x4(ref.scales) if swizzled else ref.scales
             torch.testing.assert_close(scales.cpu().view(torch.uint8), want.view(torch.uint8), rtol=0, atol=0)

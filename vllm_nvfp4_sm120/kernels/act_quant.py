@@ -12,7 +12,8 @@ itself (its grid covers the padded rows and columns, whose masked loads give ama
 buffer may come from ``torch.empty`` and nothing extra runs under a CUDA graph.
 
 Exactness on every target:
-- divisions are ``tl.div_rn`` (IEEE); a plain ``/`` is approximate on the GPU.
+- divisions are ``tl.div_rn`` (IEEE), the block reciprocal of the GPU build ``rcp.rn.f32`` (the same correctly
+  rounded value); a plain ``/`` is approximate on the GPU.
 - e2m1 rounding: the code is RNE of a concave piecewise-linear map of |x| (three fp32 lines, each one fused
   multiply-add onto a "magic number", then their minimum; see ``_e2m1_nibbles``), or on sm_120 (``NATIVE_E2M1``)
   the hardware ``cvt.rn.satfinite.e2m1x2.f32``, which rounds the same way.
@@ -28,8 +29,10 @@ are computed once per block, with no shuffle between threads.  bf16 rows are rea
 value becomes fp32 with one shift or mask (the row stride must be even).
 
 On the H200 the quantizer is bound by the ALU pipe (compare, select, logic and shifts issue at half the fp32 rate),
-so the per-element sequence is written to keep most of its work on the fp32 pipe; the instruction count per
-element is pinned by a compile test.
+so the per-element sequence is written to keep most of its work on the fp32 and integer multiply-add pipes: the
+rounding in fp32 lines, the nibble packing by multiply-adds and byte permutes in inline PTX, the bf16 block amax
+as packed bf16x2 maxima.  The PTX parts have pure-Triton twins for the interpreter (``_PACK_PTX``), checked
+against the same reference; the instruction count per element is pinned by a compile test.
 """
 
 import os
