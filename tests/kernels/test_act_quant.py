@@ -215,6 +215,65 @@ def _pack_probe(v_ptr, out_ptr, N, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs[:, None] * 8 + tl.arange(0, 8)[None, :], _e2m1x8_pack_ptx(lo, hi), mask=ok[:, None])
 
 
+def _run_ptx(asm: str, args: list[torch.Tensor]) -> torch.Tensor:
+    """A CPU model of the PTX subset the packing uses (mad.lo/add/and/or .u32/.b32, prmt.b32 default mode) on
+    int64 tensors holding 32-bit values; ``args`` are $1.., the result is $0."""
+    regs = {f"${i + 1}": a.to(torch.int64) & 0xFFFFFFFF for i, a in enumerate(args)}
+
+    def val(tok):
+        tok = tok.strip()
+        return regs[tok] if tok in regs else int(tok, 0)
+
+    for line in asm.replace("{", "").replace("}", "").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        d, *src = [t.strip() for t in rest.split(",")]
+        a = [val(t) for t in src]
+        if op == "mad.lo.u32":
+            r = a[0] * a[1] + a[2]
+        elif op == "add.u32":
+            r = a[0] + a[1]
+        elif op == "and.b32":
+            r = a[0] & a[1]
+        elif op == "or.b32":
+            r = a[0] | a[1]
+        elif op == "prmt.b32":
+            pool = [(a[0] >> (8 * i)) & 0xFF for i in range(4)] + [(a[1] >> (8 * i)) & 0xFF for i in range(4)]
+            r = 0
+            for k in range(4):
+                sel = (a[2] >> (4 * k)) & 0xF
+                byte = pool[sel & 7]
+                if sel & 8:  # replicate the selected byte's sign bit
+                    byte = torch.where(byte >= 128, 0xFF, 0) if torch.is_tensor(byte) else (0xFF if byte >= 128 else 0)
+                r = r | (byte << (8 * k))
+        else:
+            raise AssertionError(f"unmodelled PTX instruction {op}")
+        regs[d] = torch.as_tensor(r) & 0xFFFFFFFF
+    return regs["$0"]
+
+
+def test_ptx_packing_string_model(gen):
+    # The packing's PTX text, run by a CPU model of its instructions, against the reference bytes: fp32 values at
+    # the e2m1 grid, midpoints and their neighbours, random magnitudes, ±0, ±inf, signs in every position.
+    from vllm_nvfp4_sm120.kernels.act_quant import _PACK_E2M1X8
+
+    grid = torch.tensor(E2M1_MAGNITUDES + (7.0, 1e30, float("inf")))
+    pts = torch.cat([grid, (grid[1:8] + grid[:7]) / 2])
+    pts = torch.cat([pts, torch.nextafter(pts, torch.zeros(1)), torch.nextafter(pts, torch.full((1,), 1e38))])
+    v = torch.cat([pts, torch.randn(4000, generator=gen) * 4, torch.tensor([0.0, 1e-45])])
+    v = torch.cat([v, -v])[torch.randperm(2 * v.numel(), generator=gen)]
+    v = v[: v.numel() // 8 * 8].view(-1, 4, 2)
+    lo, hi = v[..., 0], v[..., 1]
+    mags = [(torch.minimum(torch.minimum(a * 2 + 2.0**23, a + (2.0**23 + 2)), a * 0.5 + (2.0**23 + 4))).view(torch.int32)
+            for a in (lo.abs().clamp(max=6.0), hi.abs().clamp(max=6.0))]
+    words = _run_ptx(_PACK_E2M1X8.value, [*mags[0].unbind(1), *mags[1].unbind(1),
+                                          *lo.view(torch.int32).unbind(1), *hi.view(torch.int32).unbind(1)])
+    got = torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], dim=1).to(torch.uint8)
+    torch.testing.assert_close(got, pack_e2m1(round_to_e2m1(v.reshape(-1, 8).clamp(-6, 6))), rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 def test_ptx_packing_every_fp32_value():
     # The packing the GPU build runs (Horner's rule on the magnitude words, permuted sign bytes) on every fp32
