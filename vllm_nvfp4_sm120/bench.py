@@ -176,7 +176,9 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
     return rows
 
 
-def bench_act_quant(ks: list[int], tokens: list[int]) -> list[Row]:
+def bench_act_quant(ks: list[int], tokens: list[int], dram_read_tbs: float | None = None) -> list[Row]:
+    """bf16 ``[T, K]`` → NVFP4 codes + linear scales on the dispatch's tile; the note gives the bytes moved (in + out)
+    per second and, with ``dram_read_tbs`` (the same run's read ceiling), their fraction of it (the goal: 0.85)."""
     from .dispatch.linear import act_quant_config
     from .kernels.act_quant import quantize_act_nvfp4
 
@@ -188,9 +190,50 @@ def bench_act_quant(ks: list[int], tokens: list[int]) -> list[Row]:
             tile = act_quant_config(t, k)
             sec = time_graph(lambda: [quantize_act_nvfp4(x, in_enc, **tile) for x in xs]) / len(xs)
             moved = 2 * t * k + t * k // 2 + t * k // 16
+            note = f"{moved / sec / 1e12:.2f} TB/s read+write"
+            if dram_read_tbs:
+                note += f", {moved / sec / 1e12 / dram_read_tbs:.2f} of read BW"
+            note += f", tile {tile['block_t']}x{tile['block_k']} w{tile['num_warps']}"
             rows.append(Row("-", "act_quant", 0, k, t, "ours-act-quant", sec * 1e6, 0.0, 2 * t * k / sec / 1e12,
-                            f"{moved / sec / 1e12:.2f} TB/s read+write"))
+                            note))
             print(_fmt(rows[-1]), flush=True)
+            del xs
+    return rows
+
+
+# Candidate tiles of the activation quantizer (block_t, block_k, num_warps) for the large-T rule of
+# dispatch.linear.act_quant_config: the rule's own first, then more elements per thread or fewer warps.
+ACT_QUANT_SWEEP_TILES = [(8, 1024, 4), (16, 1024, 4), (8, 2048, 4), (4, 2048, 4), (8, 1024, 2), (16, 512, 4),
+                         (8, 512, 2)]
+
+
+def sweep_act_quant(ks: list[int], tokens: list[int], dram_read_tbs: float) -> list[Row]:
+    """Every tile of ACT_QUANT_SWEEP_TILES on each (T, K), bf16 input, linear scales; each tile's codes and scales
+    are checked equal to the first tile's before it is timed."""
+    from .kernels.act_quant import quantize_act_nvfp4
+
+    rows = []
+    in_enc = torch.tensor(100.0, device="cuda")
+    for k in ks:
+        for t in tokens:
+            xs = [torch.randn(t, k, device="cuda").to(torch.bfloat16) for _ in range(_copies(2 * t * k, 1 << 30))]
+            moved = 2 * t * k + t * k // 2 + t * k // 16
+            first = None
+            for bt, bk, nw in ACT_QUANT_SWEEP_TILES:
+                tile = dict(block_t=bt, block_k=bk, num_warps=nw)
+                out = quantize_act_nvfp4(xs[0], in_enc, **tile)
+                if first is None:
+                    first = out
+                elif not (torch.equal(out[0], first[0]) and torch.equal(out[1].view(torch.uint8),
+                                                                         first[1].view(torch.uint8))):
+                    raise AssertionError(f"act_quant tile {tile} differs from the first tile at T={t} K={k}")
+                sec = time_graph(lambda: [quantize_act_nvfp4(x, in_enc, **tile) for x in xs]) / len(xs)
+                rows.append(Row("-", "act_quant", 0, k, t, f"act-quant {bt}x{bk} w{nw}", sec * 1e6, 0.0,
+                                2 * t * k / sec / 1e12,
+                                f"{moved / sec / 1e12:.2f} TB/s read+write, {moved / sec / 1e12 / dram_read_tbs:.2f}"
+                                f" of read BW"))
+                print(_fmt(rows[-1]), flush=True)
+            del xs, first
     return rows
 
 
@@ -844,6 +887,8 @@ KERNEL_BENCHES = {  # name: (help, default --models, default --tokens)
                    TOKENS),
     "sweep_dequant_mm": ("dequant + cuBLAS chunk sizes around the dispatch rule's", ",".join(MODELS), TOKENS),
     "ceilings": ("the DRAM read bandwidth and cuBLAS bf16 rate only", ",".join(MODELS), TOKENS),
+    "sweep_act_quant": ("every candidate tile of the activation quantizer (data for its dispatch rule)",
+                        ",".join(MODELS), (2048, 8192)),
 }
 
 
@@ -869,7 +914,9 @@ def run_kernel_bench(args: argparse.Namespace) -> int:
     elif args.what == "sweep_gemv":
         rows = sweep_w4a16_gemv(models, tokens, min_bytes)
     elif args.what == "act_quant":
-        rows = bench_act_quant([5120, 8192, 25600, 28672], tokens)
+        rows = bench_act_quant([5120, 8192, 25600, 28672], tokens, ceil["dram_read_tbs"])
+    elif args.what == "sweep_act_quant":
+        rows = sweep_act_quant([5120, 8192, 25600, 28672], tokens, ceil["dram_read_tbs"])
     if args.json:
         emit_json({"ceilings": ceil, "rows": [asdict(r) for r in rows]}, args.json)
     return 0

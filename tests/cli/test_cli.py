@@ -133,6 +133,8 @@ def test_bench_is_the_bench_modules_compare(capsys):
     assert args.models == ",".join(bench.MOE_SHAPES) and args.tokens == ",".join(map(str, bench.MOE_TOKENS))
     args = bench.build_parser().parse_args(["linear", "--models", "qwen3-32b"])
     assert args.func is bench.run_kernel_bench and args.models == "qwen3-32b"
+    args = bench.build_parser().parse_args(["sweep_act_quant"])  # the activation quant goal's token counts
+    assert args.func is bench.run_kernel_bench and args.tokens == "2048,8192"
 
 
 @pytest.mark.skipif(not NO_GPU, reason="checks the CPU-only message")

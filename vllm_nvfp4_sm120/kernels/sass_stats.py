@@ -66,3 +66,17 @@ def main_loop(sass: str, mma: str = r"[HO]MMA") -> LoopStats:
         raise ValueError("no loop containing an MMA in this SASS")
     lo, hi = best
     return LoopStats(lo, hi, Counter(o for a, o, _ in ins if lo <= a <= hi))
+
+
+def main_path(sass: str) -> LoopStats:
+    """Every instruction of a loop-free kernel from its entry to its last ``EXIT`` (``NOP`` padding excluded).
+
+    The subroutines the compiler appends after the last ``EXIT`` (the slow paths of IEEE division and
+    reciprocal, reached by ``CALL``) are left out; the call stubs inside the main path are counted, so this is a
+    static upper bound on what one thread executes.
+    """
+    ins = [(a, o) for a, o, _ in parse_sass(sass) if o != "NOP"]
+    exits = [a for a, o in ins if o == "EXIT"]
+    if not exits:
+        raise ValueError("no EXIT in this SASS")
+    return LoopStats(ins[0][0], exits[-1], Counter(o for a, o in ins if a <= exits[-1]))
