@@ -28,6 +28,7 @@ from vllm_nvfp4_sm120.kernels.act_quant import (
     _e2m1x8_pack_ptx,
     _e4m3_rne,
     has_native_e2m1,
+    prepare_act_quant,
     quantize_act_nvfp4,
 )
 from vllm_nvfp4_sm120.kernels.sass_stats import main_path
@@ -404,14 +405,20 @@ def test_bad_input(change, error, match):
         quantize_act_nvfp4(x, e, **TILE)
 
 
-def test_bf16_rows_must_be_4_byte_aligned():
-    buf = torch.zeros(4 * 33 + 1, dtype=torch.bfloat16, device=_device())
+@pytest.mark.parametrize("ready", [False, True])
+def test_bf16_rows_off_4_byte_boundaries_are_copied_not_refused(ready):
+    """bf16 rows are read as 32-bit pairs; a view with an odd row stride or an odd start is quantized from a
+    contiguous copy, with the same result as the contiguous input (activations arrive as vLLM hands them over)."""
+    gen = torch.Generator().manual_seed(3)
+    buf = torch.randn(4 * 33 + 1, generator=gen).to(torch.bfloat16).to(_device())
     e = torch.ones(1, dtype=torch.float32, device=buf.device)
-    with pytest.raises(ValueError, match=r"x: bf16 rows must start on 4-byte boundaries .* stride 33"):
-        quantize_act_nvfp4(buf[: 4 * 33].view(4, 33)[:, :32], e, **TILE)
-    with pytest.raises(ValueError, match=r"x: bf16 rows must start on 4-byte boundaries .* address offset 2"):
-        quantize_act_nvfp4(buf[1:129].view(4, 32), e, **TILE)
-    # fp16 is read as 16-bit values: any row stride works.
+    for x in (buf[: 4 * 33].view(4, 33)[:, :32], buf[1:129].view(4, 32)):
+        assert x.stride(0) % 2 or x.data_ptr() % 4
+        got = prepare_act_quant(4, 32, x.device, **TILE)(x, e) if ready else quantize_act_nvfp4(x, e, **TILE)
+        want = quantize_act_nvfp4(x.clone(memory_format=torch.contiguous_format), e, **TILE)
+        torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
+        torch.testing.assert_close(got[1].view(torch.uint8), want[1].view(torch.uint8), atol=0, rtol=0)
+    # fp16 is read as 16-bit values: any row stride works as it is.
     x16 = torch.randn(4 * 33, generator=torch.Generator().manual_seed(2)).to(torch.float16).view(4, 33)[:, :32]
     _check(x16.to(_device()), _enc(x16), swizzled=False)
 

@@ -317,7 +317,8 @@ def quantize_act_nvfp4(
     ``out_codes`` may be a row-strided view (e.g. into a K-padded buffer); ``out_scales`` may be e4m3 or uint8.
     ``in_enc``: one fp32 element on x's device, the ENCODE global (vLLM ``input_global_scale_inv``).
     NaN/inf in ``x`` are not checked (that would need a host sync); NVFP4 cannot represent them.
-    bf16 rows must start on 4-byte boundaries (even row stride): the kernel reads them as 32-bit pairs.
+    bf16 rows are read as 32-bit pairs: a view whose rows do not start on 4-byte boundaries (odd row stride, odd
+    start) is copied first (:func:`pair_aligned`).
     ``native_e4m3`` / ``native_e2m1``: None = the hardware converts where they exist (e4m3: any GPU from sm_89;
     e2m1: sm_120), the exact arithmetic otherwise.
     """
@@ -330,10 +331,7 @@ def quantize_act_nvfp4(
     t, k = x.shape
     if k == 0 or k % 16:
         raise ValueError(f"x: K = {k} (last dimension of shape {list(x.shape)}) must be a positive multiple of 16")
-    if x.dtype == torch.bfloat16 and t > 0 and ((t > 1 and x.stride(0) % 2) or x.data_ptr() % 4):
-        # The kernel reads bf16 rows as 32-bit pairs.
-        raise ValueError(f"x: bf16 rows must start on 4-byte boundaries (even row stride, 4-byte aligned start), got "
-                         f"stride {x.stride(0)} of shape {list(x.shape)} at address offset {x.data_ptr() % 4}")
+    x = pair_aligned(x)
     check_tensor("in_enc", in_enc, dtype=torch.float32, device=x.device)
     if in_enc.numel() != 1:
         raise ValueError(f"in_enc: expected one fp32 encode global scale, got shape {list(in_enc.shape)}")
@@ -364,6 +362,17 @@ def quantize_act_nvfp4(
     return run(x, in_enc, out_codes, out_scales)
 
 
+def pair_aligned(x):
+    """``x``, or a contiguous copy where the kernel could not read its bf16 rows as 32-bit pairs (an odd row stride
+    or an odd start: a view into a larger buffer).  Never an error: activations arrive as vLLM hands them over."""
+    import torch
+
+    t = x.shape[0]
+    if x.dtype == torch.bfloat16 and t > 0 and ((t > 1 and x.stride(0) & 1) or x.data_ptr() & 3):
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
+
+
 def prepare_act_quant(t: int, k: int, device, *, block_t: int, block_k: int, num_warps: int, swizzled: bool = False,
                       native_e4m3: bool | None = None, native_e2m1: bool | None = None):
     """A ready launch of :func:`quantize_act_nvfp4` for ``x [t, k]`` on ``device`` (grid and compile-time arguments
@@ -385,6 +394,7 @@ def prepare_act_quant(t: int, k: int, device, *, block_t: int, block_k: int, num
                          BLOCK_K=block_k, num_warps=num_warps)
 
     def run(x, in_enc, out_codes=None, out_scales=None):
+        x = pair_aligned(x)  # per call: the address of a view can change while its signature does not
         if out_codes is None:
             out_codes = torch.empty((t, k // 2), dtype=torch.uint8, device=x.device)
         if out_scales is None:
