@@ -320,7 +320,9 @@ def test_dispatch_decode_rows():
                     # gate_up by pointer loads (the narrow K step); the expert-major down by TMA.
                     assert not p.gate_up.use_tma and p.down.use_tma == (p.decode_down == "expert")
                     assert p.gate_up.shift_decode == (t > 2) and p.down.shift_decode == (t > 2)
-            assert plan(64, name, cap).impl != "decode"  # slower than the tiers there (H200 run 17)
+            h, i, e, k = H200_SHAPES[name]  # T = 64: the decode plan's below 4 routes per expert (H200 run 26)
+            assert (plan(64, name, cap).impl == "decode") == (64 * k / e < M.W4A4_MIN_TOKENS_PER_EXPERT)
+            assert plan(128, name, cap).impl != "decode"
     names = {t: next(n for n, tile in M.DECODE_GATE_UP_TILES.items() if tile == plan(t, "deepseek-v3").gate_up)
              for t in (1, 4, 8, 32)}
     assert names == {1: "gu-n16k128-w2-st3", 4: "gu-n32k128-w2-st3-shift", 8: "gu-n32k128-w2-st3-shift",

@@ -119,7 +119,7 @@ def _gpu_plan(kind: str):
             return tier_plan(SM120, kernel, 64, hidden=2048, intermediate=768, impl=Impl.GLUON), 64, 768
         return tier_plan(SM90, kernel, 32, hidden=2048, intermediate=768, impl=Impl.TRITON), 64, 768
     i = 768 if kind == "expert" else 512
-    plan = decode_tier_plan(SM90, 4, hidden=2048, intermediate=i)
+    plan = decode_tier_plan(SM90, 8, hidden=2048, intermediate=i)  # T = 8: the token-major rule
     assert plan.decode_down == kind
     return plan, 4, i
 

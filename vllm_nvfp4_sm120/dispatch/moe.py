@@ -214,8 +214,10 @@ DECODE_DOWN_TILES = {
     "tok-n32k128-w1-st3-shift": DecodeTile(32, 128, 16, num_warps=1, num_stages=3, use_dot=True, shift_decode=True),
 }
 # The largest T the table gives the decode plan.  With the run-17 tiles it was slower than the tiers at T = 64 on
-# two shapes (Qwen3-30B-A3B 0.86x, Qwen3-Next-80B 0.96x, device run 20), so T = 64 stays on the tiers.
-DECODE_MAX_TOKENS = 32
+# two shapes (Qwen3-30B-A3B 0.86x, Qwen3-Next-80B 0.96x, device run 20); with the tiles below the layer through the
+# op is 1.27-1.40x faster than the tiers at T = 64 on the four shapes (bench moe_decode, device run 26), so the
+# plan serves up to T = 64 where fewer than 4 routes per expert allow it (DeepSeek-V3, Qwen3-Next-80B there).
+DECODE_MAX_TOKENS = 64
 # Above this T the decode plan serves only below DECODE_LATE_MAX_ROUTES_PER_EXPERT routes per expert.  With the
 # run-17 tiles, T = 32 at 2 routes per expert was 0.98x the tiers (Qwen3-30B-A3B); with the tiles below the sum of
 # the two kernels at T = 32 is 1.14-1.26x faster than the layer on the run-24 tiles, itself faster than the tiers
@@ -238,7 +240,7 @@ _H200_ROWS = (
      "at T = 1: too few programs)"),
     (DECODE_MAX_TOKENS, "gu-n32k128-w2-st3-shift", "exp-n64k256-w2-tma-st2-shift",
      "H200 run 25: fastest at T = 4, 16, 32 on the four shapes (gate_up 1.04-1.19x, down 1.1-1.3x the T <= 2 "
-     "tiles); T = 3 and 5-15 between measured points"),
+     "tiles); T = 3, 5-15 and 33-64 between measured points, and the layer through the op at T = 2-64 (run 26)"),
 )
 _DECODE_ROWS = {
     Family.SM90: _H200_ROWS,

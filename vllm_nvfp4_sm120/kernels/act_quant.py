@@ -284,7 +284,11 @@ def _act_quant_kernel(
         sf_mask = row_ok[:, None] & blk_ok[None, :]
     # Contiguity 1 (true of any offsets) keeps Triton from staging the bytes through shared memory to build
     # 4-byte stores: each thread stores its blocks' bytes, and a warp's 32 lanes still cover 32 adjacent bytes.
-    tl.store(sf_ptr + tl.max_contiguous(sf_off, [1, 1]), sf_byte, mask=sf_mask)
+    # (A one-block tile has nothing to stage, and Triton's coalescing pass fails on the hint there.)
+    if BLOCK_T * NB > 1:
+        tl.store(sf_ptr + tl.max_contiguous(sf_off, [1, 1]), sf_byte, mask=sf_mask)
+    else:
+        tl.store(sf_ptr + sf_off, sf_byte, mask=sf_mask)
 
 
 def has_native_e2m1(device) -> bool:
