@@ -35,10 +35,10 @@ as packed bf16x2 maxima.  The PTX parts have pure-Triton twins for the interpret
 against the same reference; the instruction count per element is pinned by a compile test.
 """
 
-import os
-
 import triton
 import triton.language as tl
+
+from .common import interpreting
 
 # For the sm_120 compile harness: argument types as the launcher passes them (bf16 activations).
 ACT_QUANT_SIGNATURE = {
@@ -101,7 +101,7 @@ _PACK_E2M1X8 = tl.constexpr(
 )
 # The interpreter cannot run PTX: there (False) the same bytes come from _e2m1_nibbles and a shift-add per byte,
 # the block amax from fp32 and the reciprocal from div_rn.
-_PACK_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+_PACK_PTX = tl.constexpr(not interpreting())
 
 
 @triton.jit
