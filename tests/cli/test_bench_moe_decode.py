@@ -52,8 +52,8 @@ def test_rows_from_the_measurements(fake_gpu):
         assert r.fraction_of_floor == pytest.approx(r.floor_us / 10.0)
         assert r.rel_err == 0.0  # the fake layer is the reference
         assert "decode" in r.decode_plan and r.today_plan == "sm90/w4a16/0"
-    # The table takes the decode plan up to T = 32 (1 route per expert there), not at T = 64.
-    assert [r.table_picks_decode for r in rows] == [True, True, True, False]
+    # The table takes the decode plan up to T = 64 below 4 routes per expert (2 at T = 64 here).
+    assert [r.table_picks_decode for r in rows] == [True, True, True, True]
     # Per T: one checked call (decode plan), then each plan once per copy in the warm-up run of its graph.
     impls = [p.impl for p, _ in calls]
     assert impls == ["decode", "decode", "decode", "triton", "triton"] * len(tokens)

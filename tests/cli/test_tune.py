@@ -109,11 +109,11 @@ def test_moe_points_around_the_w4a4_switch_and_gluon_tiers():
 
 
 def test_moe_points_time_the_decode_plan_against_the_tiers():
-    shape = dict(global_experts=256, top_k=8, hidden=2048, intermediate=768)  # 1 route per expert at T = 32
+    shape = dict(global_experts=256, top_k=8, hidden=2048, intermediate=768)  # 2 routes per expert at T = 64
     points = by_t(tune.moe_points(H200, w4a4=True, **shape))
     decode = {"kernel": "w4a16", "impl": "decode", "block_m": 0}
-    assert points[32].builtin == decode and points[33].builtin["impl"] == "triton"  # the table's switch, both sides
-    for t in (1, 16, 32, 33):
+    assert points[64].builtin == decode and points[65].builtin["impl"] == "triton"  # the table's switch, both sides
+    for t in (1, 16, 64, 65):
         cands = {c.label: c for c in points[t].candidates}
         assert {"w4a16/decode/bm0", "w4a16/triton/bm16"} <= set(cands)
         # The decode candidate runs the decode plan's tiles at the point's T.

@@ -134,11 +134,12 @@ def test_cpu_without_plan_is_the_reference(gen):
 
 
 def test_dispatch_tiers():
-    def plan(t, w4a4=True, cap=SM120, h=2048, i=768):
-        return select_moe_plan(cap, num_tokens=t, top_k=8, global_experts=128, hidden=h, intermediate=i, w4a4=w4a4)
+    def plan(t, w4a4=True, cap=SM120, h=2048, i=768, e=128):
+        return select_moe_plan(cap, num_tokens=t, top_k=8, global_experts=e, hidden=h, intermediate=i, w4a4=w4a4)
 
-    assert plan(1).impl == "decode" and plan(40).impl == "triton"  # decode rows: test_dispatch_decode_rows
-    assert plan(40).kernel == "w4a16" and plan(40).block_m == 16 and plan(40).stream_weights
+    # decode rows: test_dispatch_decode_rows.  Above its T = 64, below 4 routes per expert: the W4A16 tier.
+    assert plan(1).impl == "decode" and plan(72, e=256).impl == "triton"
+    assert plan(72, e=256).kernel == "w4a16" and plan(72, e=256).block_m == 16 and plan(72, e=256).stream_weights
     assert plan(64).kernel == "w4a4" and plan(64).block_m == 16  # 4 tokens per expert
     assert plan(8192).block_m == 128 and plan(8192, w4a4=False).gate_up.use_tma
     assert not plan(8192, w4a4=False, h=2112).gate_up.use_tma and plan(8192, w4a4=False, h=2112).down.use_tma
