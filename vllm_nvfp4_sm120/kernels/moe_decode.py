@@ -289,31 +289,45 @@ _SIGN_TABLE = _thread_constant_ptx(0x8000)  # sign byte 0x00 / 0x80
 
 # e4m3 block-scale bytes (4 in $4) → each as a pair (s, s) of the activation type ($0..$3), for the pair multiply.
 # The hardware e4m3x2 → f16x2 convert (sm_89+) is exact (e4m3 ⊂ fp16), and so is fp16 → fp32 → bf16 (e4m3 ⊂ bf16).
-_SCALE_PAIRS_F16_PTX = tl.constexpr(
-    "{ .reg .b16 b<2>; .reg .b32 h<2>; mov.b32 {b0, b1}, $4; "
-    "cvt.rn.f16x2.e4m3x2 h0, b0; cvt.rn.f16x2.e4m3x2 h1, b1; "
-    "prmt.b32 $0, h0, 0, 0x1010; prmt.b32 $1, h0, 0, 0x3232; prmt.b32 $2, h1, 0, 0x1010; "
-    "prmt.b32 $3, h1, 0, 0x3232; }"
-)
-_SCALE_PAIRS_BF16_PTX = tl.constexpr(
-    "{ .reg .b16 b<2>, s<4>; .reg .b32 h<2>; .reg .f32 f<4>; mov.b32 {b0, b1}, $4; "
-    "cvt.rn.f16x2.e4m3x2 h0, b0; cvt.rn.f16x2.e4m3x2 h1, b1; mov.b32 {s0, s1}, h0; mov.b32 {s2, s3}, h1; "
-    "cvt.f32.f16 f0, s0; cvt.f32.f16 f1, s1; cvt.f32.f16 f2, s2; cvt.f32.f16 f3, s3; "
-    "cvt.rn.bf16x2.f32 $0, f0, f0; cvt.rn.bf16x2.f32 $1, f1, f1; cvt.rn.bf16x2.f32 $2, f2, f2; "
-    "cvt.rn.bf16x2.f32 $3, f3, f3; }"
-)
+# ``factor``: a power of two the pairs carry (the shift decode's; exact: 448 * 2^119 < the bf16 maximum,
+# 448 * 2^7 < 65504), applied in fp32 for bf16 and as an f16x2 multiply for fp16.
+def _scale_pairs_ptx(fmt: str, factor: float | None = None) -> tl.constexpr:
+    if fmt == "f16":
+        bits = struct.unpack("<H", struct.pack("<e", factor))[0] if factor is not None else None
+        scale = ("mul.rn.f16x2 h0, h0, m; mul.rn.f16x2 h1, h1, m; " if bits is not None else "")
+        return tl.constexpr(
+            "{ .reg .b16 b<2>; .reg .b32 h<2>" + (", m" if bits is not None else "") + "; mov.b32 {b0, b1}, $4; "
+            + (f"mov.b32 m, 0x{bits:04X}{bits:04X}; " if bits is not None else "")
+            + "cvt.rn.f16x2.e4m3x2 h0, b0; cvt.rn.f16x2.e4m3x2 h1, b1; " + scale
+            + "prmt.b32 $0, h0, 0, 0x1010; prmt.b32 $1, h0, 0, 0x3232; prmt.b32 $2, h1, 0, 0x1010; "
+            "prmt.b32 $3, h1, 0, 0x3232; }"
+        )
+    scale = "" if factor is None else "".join(
+        f"mul.f32 f{i}, f{i}, 0f{struct.pack('>f', factor).hex().upper()}; " for i in range(4))
+    return tl.constexpr(
+        "{ .reg .b16 b<2>, s<4>; .reg .b32 h<2>; .reg .f32 f<4>; mov.b32 {b0, b1}, $4; "
+        "cvt.rn.f16x2.e4m3x2 h0, b0; cvt.rn.f16x2.e4m3x2 h1, b1; mov.b32 {s0, s1}, h0; mov.b32 {s2, s3}, h1; "
+        "cvt.f32.f16 f0, s0; cvt.f32.f16 f1, s1; cvt.f32.f16 f2, s2; cvt.f32.f16 f3, s3; " + scale
+        + "cvt.rn.bf16x2.f32 $0, f0, f0; cvt.rn.bf16x2.f32 $1, f1, f1; cvt.rn.bf16x2.f32 $2, f2, f2; "
+        "cvt.rn.bf16x2.f32 $3, f3, f3; }"
+    )
+
+
+_SCALE_PAIRS_F16_PTX = _scale_pairs_ptx("f16")
+_SCALE_PAIRS_BF16_PTX = _scale_pairs_ptx("bf16")
+_SHIFT_SCALE_PAIRS_F16_PTX = _scale_pairs_ptx("f16", SHIFT_SCALE["f16"])
+_SHIFT_SCALE_PAIRS_BF16_PTX = _scale_pairs_ptx("bf16", SHIFT_SCALE["bf16"])
 
 
 @triton.jit
-def _scale_pairs(sf, DTYPE: tl.constexpr):
-    """e4m3 scale bytes (uint8, any shape) → int32 of the same shape: ``(s, s)`` packed in ``DTYPE`` (bf16/fp16)."""
+def _scale_pairs(sf, DTYPE: tl.constexpr, SHIFT: tl.constexpr = False):
+    """e4m3 scale bytes (uint8, any shape) → int32 of the same shape: ``(s, s)`` packed in ``DTYPE`` (bf16/fp16);
+    ``SHIFT``: times the shift decode's power of two."""
     if DTYPE == tl.bfloat16:
-        out = tl.inline_asm_elementwise(_SCALE_PAIRS_BF16_PTX, "=r,=r,=r,=r,r", [sf], dtype=tl.int32, is_pure=True,
-                                        pack=4)
+        ptx: tl.constexpr = _SHIFT_SCALE_PAIRS_BF16_PTX if SHIFT else _SCALE_PAIRS_BF16_PTX
     else:
-        out = tl.inline_asm_elementwise(_SCALE_PAIRS_F16_PTX, "=r,=r,=r,=r,r", [sf], dtype=tl.int32, is_pure=True,
-                                        pack=4)
-    return out
+        ptx: tl.constexpr = _SHIFT_SCALE_PAIRS_F16_PTX if SHIFT else _SCALE_PAIRS_F16_PTX
+    return tl.inline_asm_elementwise(ptx, "=r,=r,=r,=r,r", [sf], dtype=tl.int32, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -381,23 +395,6 @@ def _shift_scaled_ptx(body: str, fmt: str) -> tl.constexpr:
 _SHIFT_SCALED_BF16_PTX = _shift_scaled_ptx(SHIFT_BF16_BODY, "bf16")
 _SHIFT_SCALED_F16_PTX = _shift_scaled_ptx(SHIFT_F16_BODY, "f16")
 _SHIFT_SCALED_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 5))
-# The scale pairs with the shift decode's power of two (exact: 448 * 2^119 < the bf16 maximum, 448 * 2^7 < 65504).
-_SHIFT_SCALE_PAIRS_BF16_PTX = tl.constexpr(
-    "{ .reg .b16 b<2>, s<4>; .reg .b32 h<2>; .reg .f32 f<4>; mov.b32 {b0, b1}, $4; "
-    "cvt.rn.f16x2.e4m3x2 h0, b0; cvt.rn.f16x2.e4m3x2 h1, b1; mov.b32 {s0, s1}, h0; mov.b32 {s2, s3}, h1; "
-    "cvt.f32.f16 f0, s0; cvt.f32.f16 f1, s1; cvt.f32.f16 f2, s2; cvt.f32.f16 f3, s3; "
-    + "".join(f"mul.f32 f{i}, f{i}, 0f{struct.pack('>f', SHIFT_SCALE['bf16']).hex().upper()}; " for i in range(4))
-    + "cvt.rn.bf16x2.f32 $0, f0, f0; cvt.rn.bf16x2.f32 $1, f1, f1; cvt.rn.bf16x2.f32 $2, f2, f2; "
-    "cvt.rn.bf16x2.f32 $3, f3, f3; }"
-)
-_F16_SHIFT_SCALE_BITS = struct.unpack("<H", struct.pack("<e", SHIFT_SCALE["f16"]))[0]
-_SHIFT_SCALE_PAIRS_F16_PTX = tl.constexpr(
-    "{ .reg .b16 b<2>; .reg .b32 h<2>, m; mov.b32 {b0, b1}, $4; "
-    f"mov.b32 m, 0x{_F16_SHIFT_SCALE_BITS:04X}{_F16_SHIFT_SCALE_BITS:04X}; "
-    "cvt.rn.f16x2.e4m3x2 h0, b0; cvt.rn.f16x2.e4m3x2 h1, b1; mul.rn.f16x2 h0, h0, m; mul.rn.f16x2 h1, h1, m; "
-    "prmt.b32 $0, h0, 0, 0x1010; prmt.b32 $1, h0, 0, 0x3232; prmt.b32 $2, h1, 0, 0x1010; "
-    "prmt.b32 $3, h1, 0, 0x3232; }"
-)
 _SHIFT_RESTORE = tl.constexpr(2.0 ** SHIFT_EXP)
 
 
@@ -406,17 +403,14 @@ def _shift_tile(codes, sf, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.
     """Scaled weights times ``2^-SHIFT_EXP`` as ``[ROWS, BLOCK_K]`` in the relabelled k order (within each 8
     elements, operand ``2j + h`` is memory ``j + 4h``)."""
     c3 = codes.reshape(ROWS, BLOCK_K // 16, 8)
+    pair = _scale_pairs(sf, DTYPE, True)[:, :, None]
     if DTYPE == tl.bfloat16:
-        pair = tl.inline_asm_elementwise(_SHIFT_SCALE_PAIRS_BF16_PTX, "=r,=r,=r,=r,r", [sf], dtype=tl.int32,
-                                         is_pure=True, pack=4)
-        p = tl.inline_asm_elementwise(_SHIFT_SCALED_BF16_PTX, _SHIFT_SCALED_CONSTRAINTS, [c3, pair[:, :, None]],
-                                      dtype=tl.int32, is_pure=True, pack=4)
+        p = tl.inline_asm_elementwise(_SHIFT_SCALED_BF16_PTX, _SHIFT_SCALED_CONSTRAINTS, [c3, pair], dtype=tl.int32,
+                                      is_pure=True, pack=4)
     else:
         tl.static_assert(DTYPE == tl.float16, "moe_decode: activations must be bf16 or fp16")
-        pair = tl.inline_asm_elementwise(_SHIFT_SCALE_PAIRS_F16_PTX, "=r,=r,=r,=r,r", [sf], dtype=tl.int32,
-                                         is_pure=True, pack=4)
-        p = tl.inline_asm_elementwise(_SHIFT_SCALED_F16_PTX, _SHIFT_SCALED_CONSTRAINTS, [c3, pair[:, :, None]],
-                                      dtype=tl.int32, is_pure=True, pack=4)
+        p = tl.inline_asm_elementwise(_SHIFT_SCALED_F16_PTX, _SHIFT_SCALED_CONSTRAINTS, [c3, pair], dtype=tl.int32,
+                                      is_pure=True, pack=4)
     lo = p.to(tl.int16).to(DTYPE, bitcast=True)
     hi = (p >> 16).to(tl.int16).to(DTYPE, bitcast=True)
     return tl.join(lo, hi).reshape(ROWS, BLOCK_K)
