@@ -122,23 +122,30 @@ def glue_log(plugin_log, monkeypatch):
     return plugin_log
 
 
-@pytest.mark.parametrize("backend", ["auto", "nvfp4_sm120_b12x", "nvfp4_sm120_w4a16"])
-def test_kernel_format_reload_refused_before_touching_a_tensor(backend, glue_log):
-    import vllm.model_executor.model_loader.reload.inplace as inplace
-
+@contextlib.contextmanager
+def _loaded_and_fresh(backend: str):
+    """On a faked sm_120 with ``--linear-backend backend``: ``(config, layer, fresh)``, a loaded ModelOpt W4A4 gate_up
+    layer and one loaded from other weights (what a reload would bring)."""
     with pytest.MonkeyPatch.context() as mp:
         fake_cuda(mp, (12, 0))
         fp4_routes_stub.install(mp)
         config = vllm_config(linear_backend=backend)
         with set_current_vllm_config(config):
-            layer = build_loaded("modelopt", "w4a4", "gate_up", prob_seed=1)
-            fresh = build_loaded("modelopt", "w4a4", "gate_up", prob_seed=2)
-            route = NL.kernel_of(layer).route
-            before = {name: t.clone() for name, t in [*layer.named_parameters(), *layer.named_buffers()]}
-            weights = iter([(name, t.data) for name, t in fresh.named_parameters()])
-            with pytest.raises(ValueError, match=rf"is_checkpoint_format=False\) cannot update layer "
-                                                 rf"{layer.prefix} \(linear route {route} "):
-                inplace.reload_weights(config, layer, weights, None, is_checkpoint_format=False)
+            yield (config, build_loaded("modelopt", "w4a4", "gate_up", prob_seed=1),
+                   build_loaded("modelopt", "w4a4", "gate_up", prob_seed=2))
+
+
+@pytest.mark.parametrize("backend", ["auto", "nvfp4_sm120_b12x", "nvfp4_sm120_w4a16"])
+def test_kernel_format_reload_refused_before_touching_a_tensor(backend, glue_log):
+    import vllm.model_executor.model_loader.reload.inplace as inplace
+
+    with _loaded_and_fresh(backend) as (config, layer, fresh):
+        route = NL.kernel_of(layer).route
+        before = {name: t.clone() for name, t in [*layer.named_parameters(), *layer.named_buffers()]}
+        weights = iter([(name, t.data) for name, t in fresh.named_parameters()])
+        with pytest.raises(ValueError, match=rf"is_checkpoint_format=False\) cannot update layer "
+                                             rf"{layer.prefix} \(linear route {route} "):
+            inplace.reload_weights(config, layer, weights, None, is_checkpoint_format=False)
     assert next(weights, None) is not None, "refused before reading the weights"
     for name, t in [*layer.named_parameters(), *layer.named_buffers()]:
         torch.testing.assert_close(t, before[name], rtol=0, atol=0, msg=name)
@@ -152,17 +159,11 @@ def test_why_kernel_format_reload_is_refused(backend):
     the route derived at load are the old weights' (so the refusal stays needed while this holds)."""
     import vllm.model_executor.model_loader.reload.inplace as inplace
 
-    with pytest.MonkeyPatch.context() as mp:
-        fake_cuda(mp, (12, 0))
-        fp4_routes_stub.install(mp)
-        config = vllm_config(linear_backend=backend)
-        with set_current_vllm_config(config):
-            layer = build_loaded("modelopt", "w4a4", "gate_up", prob_seed=1)
-            fresh = build_loaded("modelopt", "w4a4", "gate_up", prob_seed=2)
-            old_rows = getattr(layer, ours._W_DEC_ROWS).clone()
-            weights = [(name, t.data) for name, t in fresh.named_parameters()]
-            inplace.reload_weights.__wrapped__(KERNEL_FORMAT_CONFIG, layer, iter(weights), None,
-                                               is_checkpoint_format=False)
+    with _loaded_and_fresh(backend) as (config, layer, fresh):
+        old_rows = getattr(layer, ours._W_DEC_ROWS).clone()
+        weights = [(name, t.data) for name, t in fresh.named_parameters()]
+        inplace.reload_weights.__wrapped__(KERNEL_FORMAT_CONFIG, layer, iter(weights), None,
+                                           is_checkpoint_format=False)
     for name, t in fresh.named_parameters():
         torch.testing.assert_close(getattr(layer, name), t, rtol=0, atol=0, msg=name)
     torch.testing.assert_close(getattr(layer, ours._W_DEC_ROWS), old_rows, rtol=0, atol=0)
