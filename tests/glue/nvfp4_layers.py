@@ -95,3 +95,26 @@ def part_decodes(prob: LinearProblem) -> torch.Tensor:
 
 def input_gs(layer: torch.nn.Module) -> GlobalScale:
     return GlobalScale.from_encode(layer.input_global_scale_inv)
+
+
+def guard_moe_on_cpu(mp, gate_up_factor: float = 1.0) -> None:
+    """The MoE guard's plans on CPU (``mp``: a pytest MonkeyPatch): T <= 16 in fp16 (the interpreter's bf16 dot is
+    wrong, and the guard rightly fails every plan in bf16 there), the W4A16 plans given the GPU's inline-PTX decode,
+    whose gate_up launcher then returns its result times ``gate_up_factor`` (1.0: right; else a planted bug)."""
+    from dataclasses import replace
+
+    from vllm_nvfp4_sm120.dispatch import guard as G
+    from vllm_nvfp4_sm120.dispatch import moe as M
+    from vllm_nvfp4_sm120.dispatch import registry
+    from vllm_nvfp4_sm120.dispatch.moe import Impl, MoeKernel
+
+    real = G.guard_moe
+    mp.setattr(G, "guard_moe", lambda **kw: real(**{**kw, "max_t": 16, "dtype": torch.float16}))
+    table = M.table_moe_plan
+    mp.setattr(M, "table_moe_plan", lambda cap, **kw: (
+        lambda p: replace(p, fast_decode=True) if p.kernel == MoeKernel.W4A16 else p)(table(cap, **kw)))
+    gate_up, down = registry.MOE_KERNELS[MoeKernel.W4A16, Impl.TRITON]
+    mp.setitem(registry.MOE_KERNELS, (MoeKernel.W4A16, Impl.TRITON), (
+        lambda *a, fast_decode=False, **kw: gate_up(*a, fast_decode=False, **kw) * (gate_up_factor if fast_decode
+                                                                                     else 1.0),
+        lambda *a, fast_decode=False, **kw: down(*a, fast_decode=False, **kw)))

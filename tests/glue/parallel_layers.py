@@ -377,7 +377,6 @@ def task_load_outcome_guard_failing_on_rank(ckpt_dir: str, case: Case, failing_r
     rank, where the W4A4 Triton GEMM is wrong (linears) or the W4A16 MoE plans' inline-PTX decode variant is
     (MoE, plans up to T = 16 in fp16: the interpreter runs the real Triton kernels, and its bf16 dot is wrong).
     Which kernels every rank ends on, and the guard's log lines."""
-    from dataclasses import replace
     import logging
 
     from vllm.model_executor.kernels import linear as L
@@ -387,7 +386,6 @@ def task_load_outcome_guard_failing_on_rank(ckpt_dir: str, case: Case, failing_r
     from vllm_nvfp4_sm120.dispatch import moe as M
     from vllm_nvfp4_sm120.dispatch import linear_call, ops, policy, registry  # noqa: F401  (ops registers the op)
     from vllm_nvfp4_sm120.dispatch.linear import LinearKernel, LinearPlan
-    from vllm_nvfp4_sm120.dispatch.moe import Impl, MoeKernel
     from vllm_nvfp4_sm120.vllm import linear as ours
     from vllm_nvfp4_sm120.vllm import numerics
 
@@ -419,16 +417,7 @@ def task_load_outcome_guard_failing_on_rank(ckpt_dir: str, case: Case, failing_r
         theirs = [c.__name__ for c in L._POSSIBLE_NVFP4_KERNELS[PlatformEnum.CUDA]
                   if c not in ours.KERNEL_CLASSES and c.__name__ != "EmulationNvFp4LinearKernel"]
         mp.setenv("VLLM_DISABLED_KERNELS", ",".join(theirs))
-        real = G.guard_moe
-        mp.setattr(G, "guard_moe", lambda **kw: real(**{**kw, "max_t": 16, "dtype": torch.float16}))
-        table = M.table_moe_plan
-        mp.setattr(M, "table_moe_plan", lambda cap, **kw: (
-            lambda p: replace(p, fast_decode=True) if p.kernel == MoeKernel.W4A16 else p)(table(cap, **kw)))
-        gate_up, down = registry.MOE_KERNELS[MoeKernel.W4A16, Impl.TRITON]
-        bad = 1.5 if wrong else 1.0
-        mp.setitem(registry.MOE_KERNELS, (MoeKernel.W4A16, Impl.TRITON), (
-            lambda *a, fast_decode=False, **kw: gate_up(*a, fast_decode=False, **kw) * (bad if fast_decode else 1.0),
-            lambda *a, fast_decode=False, **kw: down(*a, fast_decode=False, **kw)))
+        NL.guard_moe_on_cpu(mp, 1.5 if wrong else 1.0)
         log.addHandler(handler)
         try:
             outcome = task_load_outcome(ckpt_dir, case)

@@ -125,27 +125,14 @@ def test_not_forced_on_cpu_is_a_no_op(forced, monkeypatch):
 def moe_forced(monkeypatch):
     """The MoE guard forced on CPU (the interpreter runs the real Triton kernels), its plans limited to T <= 16 in
     fp16, and the W4A16 plans given the GPU's inline-PTX decode, whose gate_up launcher is made wrong."""
-    from dataclasses import replace
-
-    from vllm_nvfp4_sm120.dispatch import moe as M
     from vllm_nvfp4_sm120.dispatch import policy
-    from vllm_nvfp4_sm120.dispatch.moe import Impl, MoeKernel
 
     monkeypatch.setattr(numerics, "FORCE_GUARD", True)
     monkeypatch.delenv(numerics.GUARD_ENV, raising=False)
     monkeypatch.setattr(glue_log_state, "_logged", set())
     G.clear_cache()
     policy.clear_substitutes()
-    real = G.guard_moe
-    # fp16: the interpreter's bf16 dot is wrong (the guard rightly fails every plan in bf16 there).
-    monkeypatch.setattr(G, "guard_moe", lambda **kw: real(**{**kw, "max_t": 16, "dtype": torch.float16}))
-    table = M.table_moe_plan
-    monkeypatch.setattr(M, "table_moe_plan", lambda cap, **kw: (
-        lambda p: replace(p, fast_decode=True) if p.kernel == MoeKernel.W4A16 else p)(table(cap, **kw)))
-    gate_up, down = registry.MOE_KERNELS[MoeKernel.W4A16, Impl.TRITON]
-    monkeypatch.setitem(registry.MOE_KERNELS, (MoeKernel.W4A16, Impl.TRITON), (
-        lambda *a, fast_decode=False, **kw: gate_up(*a, fast_decode=False, **kw) * (1.5 if fast_decode else 1.0),
-        lambda *a, fast_decode=False, **kw: down(*a, fast_decode=False, **kw)))
+    NL.guard_moe_on_cpu(monkeypatch, 1.5)
     yield
     G.clear_cache()
     policy.clear_substitutes()
