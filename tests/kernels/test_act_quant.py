@@ -275,14 +275,18 @@ def test_ptx_packing_string_model(gen):
     torch.testing.assert_close(got, pack_e2m1(round_to_e2m1(v.reshape(-1, 8).clamp(-6, 6))), rtol=0, atol=0)
 
 
+def _every_fp32_value(device, chunk: int = 1 << 26):
+    """``(first bit pattern, values)`` over every fp32 bit pattern but the NaNs, in chunks of ``chunk`` patterns."""
+    for start in range(0, 1 << 32, chunk):
+        v = torch.arange(start, start + chunk, dtype=torch.int64, device=device).to(torch.int32).view(torch.float32)
+        yield start, v[~v.isnan()]
+
+
 @pytest.mark.gpu
 def test_ptx_packing_every_fp32_value():
     # The packing the GPU build runs (Horner's rule on the magnitude words, permuted sign bytes) on every fp32
     # bit pattern but the NaNs, each value once in every nibble position of the word.
-    chunk = 1 << 26
-    for start in range(0, 1 << 32, chunk):
-        v = torch.arange(start, start + chunk, dtype=torch.int64, device="cuda").to(torch.int32).view(torch.float32)
-        v = v[~v.isnan()]
+    for start, v in _every_fp32_value("cuda"):
         v = v[: v.numel() // 16 * 16]
         for shift in (0, 5):  # a second arrangement puts each value in another nibble
             blocks = torch.roll(v, shift).view(-1, 16).contiguous()
@@ -295,10 +299,7 @@ def test_ptx_packing_every_fp32_value():
 @pytest.mark.gpu
 def test_e2m1_every_fp32_value_gpu():
     # The pure-Triton rounding helper (the interpreter's and the MoE epilogues' path) on every fp32 bit pattern.
-    chunk = 1 << 26
-    for start in range(0, 1 << 32, chunk):
-        v = torch.arange(start, start + chunk, dtype=torch.int64, device="cuda").to(torch.int32).view(torch.float32)
-        v = v[~v.isnan()]
+    for start, v in _every_fp32_value("cuda"):
         code, _, _ = _run_probe(v)
         assert torch.equal(code, _e2m1_ref(v)), f"chunk at {start:#x}"
 
