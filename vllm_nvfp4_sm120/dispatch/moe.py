@@ -264,8 +264,7 @@ def decode_tier_plan(cap: Capability, num_tokens: int, *, hidden: int, intermedi
     gate_up = DECODE_GATE_UP_TILES[name]
     down = DECODE_DOWN_TILES[DECODE_TOKEN_DOWN_TILE if token else down_name]
     tma = tma_ok(hidden), tma_ok(intermediate)
-    if not tma[0]:  # pointer loads: a 512-wide K step with its pipeline spills on sm_120 (compile-checked)
-        gate_up = replace(gate_up, use_tma=False, block_k=min(gate_up.block_k, 256))
+    gate_up = replace(gate_up, use_tma=gate_up.use_tma and tma[0])
     down = replace(down, use_tma=down.use_tma and tma[1])
     return MoePlan(kernel=MoeKernel.W4A16, block_m=0, gate_up=gate_up, down=down, fast_decode=cap.cc is not None,
                    impl=Impl.DECODE, tier=f"{cap.family}/decode/{i}/{kind}", tma=tma, decode_down=kind)
@@ -277,8 +276,8 @@ def decode_plan(cap: Capability, *, num_tokens: int, top_k: int, global_experts:
     :data:`DECODE_WIDE_MAX_TOKENS` only below :data:`DECODE_LATE_MAX_ROUTES_PER_EXPERT` routes per expert), fewer
     than ``W4A4_MIN_TOKENS_PER_EXPERT`` routes per expert (where the tiers run weight-only too, so a W4A4
     checkpoint's numerics do not change with the path), every route in one program's id vector (``MAX_ROUTES``),
-    and the gate_up bank readable by TMA as measured (``H % 256 == 0``: every real checkpoint; pointer-load
-    variants are correct but unmeasured)."""
+    and ``H % 256 == 0`` as on every measured shape (every real checkpoint; other H are correct but
+    unmeasured)."""
     if not 1 <= num_tokens <= DECODE_MAX_TOKENS or num_tokens * top_k > MAX_ROUTES:
         return None
     m = tokens_per_expert(num_tokens, top_k, global_experts)
