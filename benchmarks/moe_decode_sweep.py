@@ -93,6 +93,17 @@ GATE_UP = {
     # Split-K on the small-shared-memory tile: at T = 1-4 the grid alone holds ~6 warps per SM.
     "gu-n16k128-w2-st3-s2": DecodeTile(16, 128, 16, num_warps=2, num_stages=3, use_dot=True, split_k=2),
     "gu-n16k128-w2-st3-s4": DecodeTile(16, 128, 16, num_warps=2, num_stages=3, use_dot=True, split_k=4),
+    # Warps over K inside the program (k_warps: a batched MMA, one K slice per warp over all 32 rows, the slices
+    # added after the loop): at T = 1-2 the grid alone holds ~6 warps per SM, and a split through memory costs its
+    # partial sums, a fence and an arrival count.
+    "gu-n16k128-kw4-st3": DecodeTile(16, 128, 16, num_warps=4, num_stages=3, use_dot=True, k_warps=4),
+    "gu-n16k256-kw4-st3": DecodeTile(16, 256, 16, num_warps=4, num_stages=3, use_dot=True, k_warps=4),
+    "gu-n16k256-kw4-st3-shift": DecodeTile(16, 256, 16, num_warps=4, num_stages=3, use_dot=True, k_warps=4,
+                                           shift_decode=True),
+    "gu-n16k256-kw8-st3": DecodeTile(16, 256, 16, num_warps=8, num_stages=3, use_dot=True, k_warps=8),
+    "gu-n16k512-kw8-st2": DecodeTile(16, 512, 16, num_warps=8, num_stages=2, use_dot=True, k_warps=8),
+    "gu-n16k512-kw8-st2-shift": DecodeTile(16, 512, 16, num_warps=8, num_stages=2, use_dot=True, k_warps=8,
+                                           shift_decode=True),
 }
 DOWN = {  # name: (kernel, deterministic, tile)
     "tok-n16k256-w1": ("token", False, DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True)),
@@ -134,6 +145,22 @@ DOWN = {  # name: (kernel, deterministic, tile)
     "exp-n32k256-w2": ("expert", False, DecodeTile(32, 256, 16, num_warps=2, num_stages=4, use_dot=True)),
     "exp-n32k256-w2-tma-det": ("expert", True, DecodeTile(32, 256, 16, num_warps=2, num_stages=4, use_dot=True,
                                                           use_tma=True)),
+    # Warps over K (see the gate_up candidates): at T = 1 the down programs are short (I / 256 K steps), so the
+    # chain of each program, not the bytes, sets the time.
+    "exp-n32k256-kw4-tma-st2": ("expert", False, DecodeTile(32, 256, 16, num_warps=4, num_stages=2, use_dot=True,
+                                                            use_tma=True, k_warps=4)),
+    "exp-n32k256-kw4-tma-st2-shift": ("expert", False, DecodeTile(32, 256, 16, num_warps=4, num_stages=2,
+                                                                  use_dot=True, use_tma=True, k_warps=4,
+                                                                  shift_decode=True)),
+    "exp-n32k256-kw4-st3": ("expert", False, DecodeTile(32, 256, 16, num_warps=4, num_stages=3, use_dot=True,
+                                                        k_warps=4)),
+    "exp-n16k256-kw4-tma-st3": ("expert", False, DecodeTile(16, 256, 16, num_warps=4, num_stages=3, use_dot=True,
+                                                            use_tma=True, k_warps=4)),
+    "exp-n64k256-kw4-tma-st2-shift": ("expert", False, DecodeTile(64, 256, 16, num_warps=4, num_stages=2,
+                                                                  use_dot=True, use_tma=True, k_warps=4,
+                                                                  shift_decode=True)),
+    "tok-n32k256-kw4-st2-shift": ("token", False, DecodeTile(32, 256, 16, num_warps=4, num_stages=2, use_dot=True,
+                                                             k_warps=4, shift_decode=True)),
 }
 # What a run sweeps without --gate-up / --down (about ten kernel tiles: each compiles once per routing bucket, and
 # the compiles are most of the ~4 minutes); the others are there for a focused second run.

@@ -201,7 +201,7 @@ def _decode_plans():
     """Every decode gate_up tile and both down kernels, the expert-major one with and without TMA (the interpreter
     is slow: one case each; the kernels' own tests cover the rest)."""
     cases = {  # id: (T, H, I) as decode_tier_plan reads them
-        "t1-expert-tma": (1, 4096, 4096), "t8-token": (8, 4096, 512), "t32-expert-tma": (32, 4096, 4096),
+        "t1-expert-tma": (1, 4096, 4096), "t2-expert-tma": (2, 4096, 4096), "t8-token": (8, 4096, 512), "t32-expert-tma": (32, 4096, 4096),
         "t8-token-odd": (8, 4112, 496), "t4-expert-nontma": (4, 4112, 4112),
     }
     out = []
@@ -267,9 +267,10 @@ def test_decode_deterministic_is_bitwise_repeatable(down):
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
 def test_decode_plan_with_split_k_gate_up(deterministic, gen):
-    # A split-K gate_up tile (a sweep candidate) runs through the flow unchanged: the launcher sizes its buffers.
+    # A split-K gate_up tile (a sweep candidate) runs through the flow unchanged: the launcher sizes its buffers (the
+    # T = 1 tile has warps over K as well: 4 slices of 32 per 128-wide step, the second split empty at K = 112).
     plan = decode_tier_plan(SM90, 1, hidden=112, intermediate=96)
-    plan = replace(plan, gate_up=replace(plan.gate_up, block_k=32, split_k=2))
+    plan = replace(plan, gate_up=replace(plan.gate_up, block_k=128, split_k=2))
     run_case(plan, 3, 2, gen, e=8, h=112, i=96, deterministic=deterministic)
 
 
@@ -320,13 +321,14 @@ def test_dispatch_decode_rows():
                     assert (p.impl, p.kernel, p.block_m) == ("decode", "w4a16", 0), (cap, name, t, w4a4)
                     # gate_up by pointer loads (the narrow K step); the expert-major down by TMA.
                     assert not p.gate_up.use_tma and p.down.use_tma == (p.decode_down == "expert")
-                    assert p.gate_up.shift_decode == (t > 2) and p.down.shift_decode == (t > 2)
+                    assert p.gate_up.shift_decode == (t != 2) and p.down.shift_decode == (t > 2)
+                    assert p.gate_up.k_warps == (4 if t == 1 else 1)
             h, i, e, k = H200_SHAPES[name]  # T = 64: the decode plan's below 4 routes per expert (H200 run 26)
             assert (plan(64, name, cap).impl == "decode") == (64 * k / e < M.W4A4_MIN_TOKENS_PER_EXPERT)
             assert plan(128, name, cap).impl != "decode"
     names = {t: next(n for n, tile in M.DECODE_GATE_UP_TILES.items() if tile == plan(t, "deepseek-v3").gate_up)
-             for t in (1, 4, 8, 32)}
-    assert names == {1: "gu-n16k128-w2-st3", 4: "gu-n32k128-w2-st3-shift", 8: "gu-n32k128-w2-st3-shift",
+             for t in (1, 2, 4, 8, 32)}
+    assert names == {1: "gu-n16k256-kw4-st3-shift", 2: "gu-n16k128-w2-st3", 4: "gu-n32k128-w2-st3-shift", 8: "gu-n32k128-w2-st3-shift",
                      32: "gu-n32k128-w2-st3-shift"}
     assert all(plan(t, "deepseek-v3").decode_down == "expert" for t in (1, 4, 32))
     # Qwen3-30B-A3B at T = 32 (2 routes per expert) is the decode plan's; 4 routes per expert are the tiers'.

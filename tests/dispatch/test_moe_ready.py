@@ -40,8 +40,8 @@ def _plan(case: str):
         return decode_tier_plan(SM90, 1, hidden=112, intermediate=96), 112, 96, True, False
     if case == "token-map":
         return decode_tier_plan(SM90, 8, hidden=112, intermediate=512), 112, 80, False, True
-    if case == "split-k":
-        plan = decode_tier_plan(SM90, 1, hidden=112, intermediate=96)
+    if case == "split-k":  # on the T = 2 tile (the T = 1 one has warps over K, whose slices need block_k >= 128)
+        plan = decode_tier_plan(SM90, 2, hidden=112, intermediate=96)
         return replace(plan, gate_up=replace(plan.gate_up, block_k=32, split_k=2)), 112, 96, False, False
     if case.startswith("tiers"):  # the Triton tiers: pure-tl decode, pointer loads in the interpreter
         kernel = MoeKernel.W4A4 if case.startswith("tiers-w4a4") else MoeKernel.W4A16

@@ -57,6 +57,11 @@ DOT_TMA = DecodeTile(16, 256, 16, num_warps=4, num_stages=2, use_dot=True, use_t
 SPLIT2 = DecodeTile(16, 32, 16, num_warps=4, num_stages=2, use_dot=True, split_k=2)
 SPLIT4_FMA = DecodeTile(16, 32, 1, num_warps=4, num_stages=2, use_dot=False, split_k=4)
 SPLIT2_TMA = DecodeTile(16, 256, 16, num_warps=4, num_stages=2, use_dot=True, use_tma=True, split_k=2)
+# Warps over K: 2 slices of 32 (K = 80 / 112: the second slice of the last step partly or wholly past K), 4 of 32.
+KW2 = DecodeTile(16, 64, 16, num_warps=2, num_stages=2, use_dot=True, k_warps=2)
+KW4 = DecodeTile(16, 128, 16, num_warps=4, num_stages=2, use_dot=True, k_warps=4)
+KW4_GATE = DecodeTile(8, 128, 16, num_warps=4, num_stages=2, use_dot=True, k_warps=4)  # 16 stacked rows
+KW2_TMA = DecodeTile(16, 256, 16, num_warps=2, num_stages=2, use_dot=True, use_tma=True, k_warps=2)
 
 
 def _problem(t, e, k, h, i, *, dtype=torch.float16, skewed=False, with_map=False, ids_dtype=torch.int32, seed=0):
@@ -119,13 +124,18 @@ CASES = [
     (5, 8, 2, 80, 96, "silu", SPLIT4_FMA, "expert", False, DOT, {}),  # by expert; one split has no K tile
     (20, 8, 1, 112, 96, "silu", SPLIT2, "expert", True, DOT, {"skewed": True}),  # 2 chunks per program
     (3, 8, 2, 512, 256, "silu", SPLIT2_TMA, "expert", False, DOT_TMA, {}),
+    (1, 8, 2, 80, 96, "silu", KW2, "expert", False, KW2, {}),
+    (3, 8, 2, 112, 176, "gelu_tanh", KW4_GATE, "token", False, KW2, {"with_map": True}),
+    (5, 8, 2, 112, 96, "silu", KW2, "expert", True, KW4, {}),
+    (20, 8, 1, 80, 96, "silu", KW4, "expert", False, KW4, {"skewed": True}),  # 2 chunks per program
+    (3, 8, 2, 256, 256, "silu", KW2_TMA, "expert", False, KW2_TMA, {}),
 ]
 
 
 def _case_id(c):
     t, e, k, h, i, act, gt, down, det, dt, opts = c
     kind = ("tma" if gt.use_tma else "dot" if gt.use_dot else f"fma{gt.block_t}") + (
-        f"-split{gt.split_k}" if gt.split_k > 1 else "")
+        f"-split{gt.split_k}" if gt.split_k > 1 else "") + (f"-kw{gt.k_warps}" if gt.k_warps > 1 else "")
     extra = "-".join(f"{n}" for n, v in opts.items() if v is True) + ("-i64" if "ids_dtype" in opts else "")
     return f"T{t}-E{e}-k{k}-H{h}-I{i}-{act}-{kind}-{down}{'-det' if det else ''}{'-' + extra if extra else ''}"
 
@@ -223,7 +233,11 @@ def test_too_many_routes():
 
 
 @pytest.mark.parametrize("kwargs", [dict(block_n=24), dict(block_k=16), dict(block_t=8), dict(num_stages=0),
-                                    dict(use_tma=True)], ids=lambda d: next(iter(d)))
+                                    dict(use_tma=True), dict(k_warps=4), dict(k_warps=3, num_warps=3),
+                                    dict(k_warps=8, num_warps=8), dict(k_warps=2, num_warps=2, use_dot=False,
+                                                                         block_t=1)],
+                         ids=["block_n", "block_k", "block_t", "num_stages", "use_tma", "k_warps-num_warps",
+                              "k_warps-pow2", "k_warps-slice", "k_warps-fma"])
 def test_tile_validation(kwargs):
     base = dict(block_n=16, block_k=128, block_t=16, num_warps=2, num_stages=3, use_dot=True)
     with pytest.raises(ValueError, match="DecodeTile"):
@@ -432,6 +446,85 @@ def test_gpu_split_k_gate_up(name, t, gate_name):
     assert torch.equal(a, _run(p, gate, dtile, kind, det))
 
 
+KW_GATE_UP = [n for n, tile in SWEEP.GATE_UP.items() if tile.k_warps > 1]
+KW_DOWN = [n for n, (_, _, tile) in SWEEP.DOWN.items() if tile.k_warps > 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_name,down_name", list(zip(KW_GATE_UP, KW_DOWN * 2)), ids=lambda v: v)
+@pytest.mark.parametrize("t", [1, 2, 3, 16])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "qwen3-next-80b", "odd"])
+def test_gpu_k_warps(name, t, gate_name, down_name):
+    # The batched-MMA K slices of both kernels (the PTX decodes and TMA, which the interpreter cannot run) on every
+    # shape, the odd one's tails included (TMA off where K % 256 != 0).
+    h, i, p, ref = _gpu_problem_and_ref(name, t)
+    gate = SWEEP.GATE_UP[gate_name]
+    kind, det, dtile = SWEEP.DOWN[down_name]
+    if gate.use_tma and not md.tma_ok(h):
+        gate = replace(gate, use_tma=False)
+    if dtile.use_tma and not md.tma_ok(i):
+        dtile = replace(dtile, use_tma=False)
+    assert_moe_close(_run(p, gate, dtile, kind, det), ref)
+
+
+# The shift decode needs 16-byte code rows (md.shift_ok); elsewhere the ready launchers run the table decode.  The odd
+# shape's K = 336 / 80 (rows of 168 / 40 bytes) and I = 176 (DeepSeek-V2-Lite's 1408 over 8 ranks: 88-byte rows).
+SHIFT_PAIRS = [("gu-n32k128-w2-st3-shift", "exp-n64k256-w2-tma-st2-shift"),
+               ("gu-n16k256-kw4-st3-shift", "tok-n32k128-w1-st3-shift"),
+               ("gu-n16k512-kw8-st2-shift", "exp-n32k256-kw4-tma-st2-shift")]
+
+
+def _shift_problem(h, i, e, k, t):
+    from moe_gpu_common import bank, routing
+
+    w13, d13 = bank(e, 2 * i, h, 1)
+    w2, d2 = bank(e, h, i, 2)
+    tw, ti = routing(t, e, k, False)
+    return (torch.randn(t, h, device="cuda", dtype=torch.bfloat16), w13, d13, w2, d2, tw, ti, None)
+
+
+def _shift_tiles(gate_name, down_name, h, i):
+    gate = SWEEP.GATE_UP[gate_name]
+    kind, det, dtile = SWEEP.DOWN[down_name]
+    return replace(gate, use_tma=gate.use_tma and md.tma_ok(h)), kind, det, replace(dtile, use_tma=dtile.use_tma
+                                                                                     and md.tma_ok(i))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_name,down_name", SHIFT_PAIRS, ids=lambda v: v)
+@pytest.mark.parametrize("t", [1, 3, 16])
+@pytest.mark.parametrize("shape", [(336, 80, 6, 3), (2048, 176, 64, 6)], ids=["odd", "i176"])
+def test_gpu_shift_decode_tiles_on_unaligned_rows(shape, t, gate_name, down_name):
+    h, i, e, k = shape
+    p = _shift_problem(h, i, e, k, t)
+    gate, kind, det, dtile = _shift_tiles(gate_name, down_name, h, i)
+    assert_moe_close(_run(p, gate, dtile, kind, det), _ref(p))
+
+
+@pytest.mark.gpu
+def test_gpu_shift_decode_tiles_on_an_unaligned_bank_address():
+    # Banks whose first byte is 8 bytes past a 16-byte boundary (views into larger buffers; rows still 16-byte
+    # multiples): the ready launchers take the table decode for those calls, the aligned banks keep the shift one.
+    h, i, e, k = 512, 256, 8, 2
+    x, w13, d13, w2, d2, tw, ti, _ = _shift_problem(h, i, e, k, 3)
+
+    def shifted(q):
+        buf = torch.empty(q.codes.numel() + 8, dtype=torch.uint8, device="cuda")
+        view = buf[8:].view(q.codes.shape)
+        view.copy_(q.codes)
+        assert view.data_ptr() % 16 == 8
+        return NvFp4(view, q.scales)
+
+    p = (x, w13, d13, w2, d2, tw, ti, None)
+    q = (x, shifted(w13), d13, shifted(w2), d2, tw, ti, None)
+    for gate_name, down_name in (("gu-n32k128-w2-st3-shift", "tok-n32k128-w1-st3-shift"),
+                                 ("gu-n16k256-kw4-st3-shift", "exp-n32k256-kw4-st3")):
+        gate, kind, det, dtile = _shift_tiles(gate_name, down_name, h, i)
+        ref = _ref(p)
+        assert_moe_close(_run(p, gate, dtile, kind, det), ref)
+        assert_moe_close(_run(q, gate, dtile, kind, det), ref)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("down", list(GPU_DOWN))
 @pytest.mark.parametrize("t", [1, 5, 64])
@@ -510,6 +603,24 @@ def test_gpu_empty_batch():
     for down in GPU_DOWN:
         gate, kind, det, dtile = _gpu_tiles(h, i, down=down)
         assert _run(p, gate, dtile, kind, det).shape == (0, h)
+
+
+def test_shift_decode_only_on_16_byte_code_rows():
+    # K / 2 bytes per code row a multiple of 16: the shift decode; otherwise the table decode (md.shift_ok).
+    assert [k for k in (80, 176, 336, 352, 512, 1408, 2048, 7168) if md.shift_ok(k)] == [352, 512, 1408, 2048, 7168]
+    made = []
+    gate = md._ShiftGate(lambda shift: made.append(shift) or ("shift" if shift else "table"), True)
+
+    class Codes:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+        def data_ptr(self):
+            return self.ptr
+
+    assert gate(Codes(4096)) == "shift" and made == [True]
+    assert gate(Codes(4104)) == "table" and gate(Codes(4104)) == "table" and made == [True, False]
+    assert md._ShiftGate(lambda shift: shift, False)(Codes(4104)) is False
 
 
 def test_workspace_sizes():

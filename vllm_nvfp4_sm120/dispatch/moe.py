@@ -202,8 +202,11 @@ GLUON_EPILOGUE_WARPS = 4
 # path"; device runs 17 and 22-25: every candidate exact against moe_ref; CUDA graphs, weights beyond L2, medians).
 # Runs 22-24 found the narrow K step best (a third to a quarter of the shared memory of the run-17 tiles, so more
 # programs share an SM; more stages, split K and one-warp programs were slower at every point); run 25 the shift
-# decode with 32 weight rows per warp from T = 4 (its activation permutation is shared by more rows).
+# decode with 32 weight rows per warp from T = 4 (its activation permutation is shared by more rows); device run 31
+# four warps over K in each T = 1 program (k_warps: 4x the decode warps of the 384 programs at 8 routes).
 DECODE_GATE_UP_TILES = {
+    "gu-n16k256-kw4-st3-shift": DecodeTile(16, 256, 16, num_warps=4, num_stages=3, use_dot=True, k_warps=4,
+                                           shift_decode=True),
     "gu-n16k128-w2-st3": DecodeTile(16, 128, 16, num_warps=2, num_stages=3, use_dot=True),
     "gu-n32k128-w2-st3-shift": DecodeTile(32, 128, 16, num_warps=2, num_stages=3, use_dot=True, shift_decode=True),
 }
@@ -235,6 +238,10 @@ DECODE_TOKEN_DOWN_TILE = "tok-n32k128-w1-st3-shift"
 # (max T, gate_up tile, expert-major down tile, why); with ``deterministic`` the down tile's per-route rows are
 # summed in slot order; the token-major rule above overrides the down tile.
 _H200_ROWS = (
+    (1, "gu-n16k256-kw4-st3-shift", "exp-n32k256-w2-tma-st2",
+     "H200 run 31: gate_up 12.0 / 11.9 / 72.1 us against the row below's 13.9 / 14.0 / 74.3 on Qwen3-30B-A3B, "
+     "Qwen3-Next-80B, DeepSeek-V3 (3 % slower on Qwen3-235B-A22B: 35.8 against 34.7); slower from T = 2 (the slices "
+     "share fewer rows per activation load); the down tile as below (warps over K did not help it)"),
     (2, "gu-n16k128-w2-st3", "exp-n32k256-w2-tma-st2",
      "H200 runs 23-25: fastest or within 3 % at T = 1-2 on the four shapes (the shift decode's 32-row tiles lose "
      "at T = 1: too few programs)"),

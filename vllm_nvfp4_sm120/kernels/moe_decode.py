@@ -47,7 +47,8 @@ a 16-bit float's exponent are its value times a power of two (fp4_decode's shift
 code word for bf16 instead of the table's 22, on the H200's half-rate integer pipe).  Register j of a word then
 holds its elements j and j + 4, so the MMA's k order inside each 8 elements is relabelled and the activations are
 permuted the same way in registers (their shared-memory tile stays in memory order); the power of two is taken out
-by the scale pair (2^119 for bf16, 2^7 for fp16: exact) and the accumulator (2^7).
+by the scale pair (2^119 for bf16, 2^7 for fp16: exact) and the accumulator (2^7).  The word must be a memory
+word, which holds only where the code rows are 16-byte aligned (:func:`shift_ok`; elsewhere the table decode runs).
 
 Launch overlap (``pdl`` tiles of the down kernels, sm_90+): the gate_up kernel signals its dependents when it
 starts; a down kernel launched as a programmatic dependent computes its routing and prefetches its weight rows into
@@ -95,7 +96,11 @@ class DecodeTile:
     into L2 while the gate_up kernel finishes, then waits for it (``griddepcontrol.wait``) before touching anything it
     wrote or anything later kernels read.  ``split_k`` (gate_up): the K loop of each (route group, column block)
     split over ``split_k`` programs, fp32 partial sums summed in split order by the last one (more programs, hence
-    more decode warps in flight, when T is small).
+    more decode warps in flight, when T is small).  ``k_warps`` (tensor cores): the K step split into that many
+    slices, one warp each over all the program's rows (a batched ``tl.dot`` ``[k_warps, rows, block_k / k_warps]``),
+    the slices' fp32 sums added after the K loop: ``k_warps`` times the warps per weight byte in flight without
+    another program, partial sums in memory or an arrival count (``num_warps`` must equal it: Triton puts every
+    warp of a batched MMA on the batch dimension).
     """
 
     block_n: int
@@ -109,9 +114,10 @@ class DecodeTile:
     pdl: bool = False
     split_k: int = 1  # gate_up only: K splits, each its own program (see _gate_up_split)
     shift_decode: bool = False  # the shift decode (tensor cores; see the module docstring)
+    k_warps: int = 1  # warps over K within the program (tensor cores; see above)
 
     def __post_init__(self):
-        for name in ("block_n", "block_k", "block_t", "num_warps", "split_k"):
+        for name in ("block_n", "block_k", "block_t", "num_warps", "split_k", "k_warps"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"DecodeTile.{name}: expected a power of two, got {v}")
@@ -126,6 +132,15 @@ class DecodeTile:
             raise ValueError(f"DecodeTile.num_stages: expected >= 1, got {self.num_stages}")
         if self.shift_decode and not self.use_dot:
             raise ValueError("DecodeTile.shift_decode: needs use_dot (the relabelled k order is the MMA's)")
+        if self.k_warps > 1:
+            if not self.use_dot:
+                raise ValueError("DecodeTile.k_warps: needs use_dot (the slices are a batched MMA)")
+            if self.num_warps != self.k_warps:
+                raise ValueError(f"DecodeTile.k_warps: num_warps must equal k_warps (one warp per K slice), got "
+                                 f"num_warps {self.num_warps}, k_warps {self.k_warps}")
+            if self.block_k // self.k_warps < 32:
+                raise ValueError(f"DecodeTile.k_warps: each K slice needs >= 32 elements (two scale groups), got "
+                                 f"block_k {self.block_k} / k_warps {self.k_warps}")
 
     def check_rows(self, rows: int, kernel: str) -> None:
         """The weight rows of one program (gate_up: ``2 * block_n``): tl.dot needs M >= 16."""
@@ -136,7 +151,7 @@ class DecodeTile:
     def kernel_kwargs(self) -> dict:
         return dict(BLOCK_N=self.block_n, BLOCK_K=self.block_k, BLOCK_T=self.block_t, USE_DOT=self.use_dot,
                     USE_TMA=self.use_tma, EVICT_FIRST=self.evict_first, NUM_STAGES=self.num_stages,
-                    SHIFT_DECODE=self.shift_decode)
+                    SHIFT_DECODE=self.shift_decode, K_WARPS=self.k_warps)
 
     def launch_kwargs(self, pdl_ok: bool) -> dict:
         """``num_warps``, ``num_stages`` and, for a ``pdl`` tile where the device has it, ``launch_pdl``."""
@@ -158,7 +173,7 @@ def tma_ok(k: int) -> bool:
 # and expert counts are not.
 # ---------------------------------------------------------------------------------------------------------------
 _TILE_CONSTEXPRS = {k: "constexpr" for k in ("BLOCK_N", "BLOCK_K", "BLOCK_T", "USE_DOT", "USE_TMA", "EVICT_FIRST",
-                                             "NUM_STAGES", "SHIFT_DECODE")}
+                                             "NUM_STAGES", "SHIFT_DECODE", "K_WARPS")}
 _BANK = {"w_ptr": "*u8", "w_sf_ptr": "*u8", "w_desc": "*u8", "s_desc": "*u8", "w_dec_ptr": "*fp32",
          "ids_ptr": "*i32", "map_ptr": "*i32"}
 _DOWN_INTS = {k: "i32" for k in ("S", "H", "K", "E", "GLOBAL_E", "top_k", "stride_am", "stride_we", "stride_wn",
@@ -423,10 +438,14 @@ def _shift_order(a, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _acc_init(ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr):
-    """The K-loop accumulator: the MMA's ``[ROWS, BLOCK_T]``, or per-element fp32 partial sums ``[ROWS, BLOCK_K,
-    BLOCK_T]`` on CUDA cores (one FMA per weight and route; reduced over K once, after the loop)."""
-    if USE_DOT:
+def _acc_init(ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr,
+              K_WARPS: tl.constexpr):
+    """The K-loop accumulator: the MMA's ``[ROWS, BLOCK_T]`` (``[K_WARPS, ROWS, BLOCK_T]``: one per K slice), or
+    per-element fp32 partial sums ``[ROWS, BLOCK_K, BLOCK_T]`` on CUDA cores (one FMA per weight and route; reduced
+    over K once, after the loop)."""
+    if USE_DOT and K_WARPS > 1:
+        acc = tl.zeros((K_WARPS, ROWS, BLOCK_T), dtype=tl.float32)
+    elif USE_DOT:
         acc = tl.zeros((ROWS, BLOCK_T), dtype=tl.float32)
     else:
         acc = tl.zeros((ROWS, BLOCK_K, BLOCK_T), dtype=tl.float32)
@@ -434,10 +453,13 @@ def _acc_init(ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, 
 
 
 @triton.jit
-def _acc_finish(acc, USE_DOT: tl.constexpr, SHIFT: tl.constexpr):
-    """``[ROWS, BLOCK_T]`` sums of the accumulator (``SHIFT``: the shift decode's power of two restored, exact)."""
+def _acc_finish(acc, USE_DOT: tl.constexpr, SHIFT: tl.constexpr, K_WARPS: tl.constexpr):
+    """``[ROWS, BLOCK_T]`` sums of the accumulator (``SHIFT``: the shift decode's power of two restored, exact;
+    ``K_WARPS``: the slices added in slice order)."""
     if USE_DOT:
         out = acc
+        if K_WARPS > 1:
+            out = tl.sum(out, axis=0)
         if SHIFT:
             out = out * _SHIFT_RESTORE
     else:
@@ -447,12 +469,23 @@ def _acc_finish(acc, USE_DOT: tl.constexpr, SHIFT: tl.constexpr):
 
 @triton.jit
 def _tile_product(w, s, a, acc, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, USE_DOT: tl.constexpr,
-                  FAST_DECODE: tl.constexpr, SHIFT: tl.constexpr):
+                  FAST_DECODE: tl.constexpr, SHIFT: tl.constexpr, K_WARPS: tl.constexpr = 1):
     """``acc += W [ROWS, BLOCK_K] @ a [BLOCK_K, BLOCK_T]`` (fp32) for the accumulator of :func:`_acc_init`; the
     weights are decoded to ``DTYPE`` (the activations' 16-bit type; ``a`` itself may be fp32 on CUDA cores).
     ``SHIFT`` (with the inline-PTX decode): the shift decode, so ``acc`` holds the sums times ``2^-SHIFT_EXP`` until
-    :func:`_acc_finish`."""
-    if USE_DOT and SHIFT:
+    :func:`_acc_finish`.  ``K_WARPS``: slice ``j`` of the K step (elements ``j * BLOCK_K / K_WARPS ..``) into
+    ``acc[j]``, decoded as ``K_WARPS * ROWS`` rows of ``BLOCK_K / K_WARPS``."""
+    if USE_DOT and K_WARPS > 1:
+        KS: tl.constexpr = BLOCK_K // K_WARPS
+        w3 = w.reshape(ROWS, K_WARPS, KS // 2).permute(1, 0, 2).reshape(K_WARPS * ROWS, KS // 2)
+        s3 = s.reshape(ROWS, K_WARPS, KS // 16).permute(1, 0, 2).reshape(K_WARPS * ROWS, KS // 16)
+        if SHIFT:
+            wd = _shift_tile(w3, s3, K_WARPS * ROWS, KS, DTYPE)
+            a = _shift_order(a, BLOCK_K, a.shape[1])
+        else:
+            wd = _dequant_tile(w3, s3, K_WARPS * ROWS, KS, DTYPE, FAST_DECODE)
+        acc = tl.dot(wd.reshape(K_WARPS, ROWS, KS), a.reshape(K_WARPS, KS, a.shape[1]), acc)
+    elif USE_DOT and SHIFT:
         acc = tl.dot(_shift_tile(w, s, ROWS, BLOCK_K, DTYPE), _shift_order(a, BLOCK_K, a.shape[1]), acc)
     elif USE_DOT:
         acc = tl.dot(_dequant_tile(w, s, ROWS, BLOCK_K, DTYPE, FAST_DECODE), a, acc)
@@ -583,12 +616,12 @@ def _expert_rows_product(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok
                          stride_a, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                          USE_DOT: tl.constexpr, USE_TMA: tl.constexpr, FAST_DECODE: tl.constexpr,
                          EVICT_FIRST: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                         SHIFT: tl.constexpr):
+                         SHIFT: tl.constexpr, K_WARPS: tl.constexpr):
     """``[ROWS, BLOCK_T]`` fp32: one expert's weight rows (see :func:`_load_tile`) times the activation rows
     ``a_rows`` of ``a``, over K."""
     return _expert_rows_product_range(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, desc_p, desc_n, a_ptr,
                                       a_rows, a_ok, stride_a, 0, K, K, ROWS, BLOCK_K, BLOCK_T, USE_DOT, USE_TMA,
-                                      FAST_DECODE, EVICT_FIRST, EVEN_K, NUM_STAGES, SHIFT)
+                                      FAST_DECODE, EVICT_FIRST, EVEN_K, NUM_STAGES, SHIFT, K_WARPS)
 
 
 @triton.jit
@@ -596,17 +629,17 @@ def _expert_rows_product_range(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, 
                                a_rows, a_ok, stride_a, k_lo, k_hi, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                                BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
                                FAST_DECODE: tl.constexpr, EVICT_FIRST: tl.constexpr, EVEN_K: tl.constexpr,
-                               NUM_STAGES: tl.constexpr, SHIFT: tl.constexpr):
+                               NUM_STAGES: tl.constexpr, SHIFT: tl.constexpr, K_WARPS: tl.constexpr):
     """:func:`_expert_rows_product` over the K tiles ``k_lo .. k_hi`` (multiples of ``BLOCK_K``; the bank's K masks
     the last one)."""
-    acc = _acc_init(ROWS, BLOCK_K, BLOCK_T, USE_DOT)
+    acc = _acc_init(ROWS, BLOCK_K, BLOCK_T, USE_DOT, K_WARPS)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         w, s = _load_tile(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, desc_p, desc_n, k0, K, ROWS,
                           BLOCK_K, USE_TMA, EVICT_FIRST, EVEN_K)
         a = _load_act(a_ptr, a_rows, a_ok, stride_a, k0, K, BLOCK_K, EVEN_K)
         acc = _tile_product(w, s, a, acc, ROWS, BLOCK_K, a_ptr.dtype.element_ty, USE_DOT, FAST_DECODE,
-                            SHIFT and FAST_DECODE)
-    return _acc_finish(acc, USE_DOT, SHIFT and FAST_DECODE)
+                            SHIFT and FAST_DECODE, K_WARPS)
+    return _acc_finish(acc, USE_DOT, SHIFT and FAST_DECODE, K_WARPS)
 
 
 @triton.jit
@@ -624,7 +657,7 @@ def _gate_up_split(x_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, out_ptr, p
                    num_n, ACTIVATION: tl.constexpr, FAST_DECODE: tl.constexpr, EVEN_K: tl.constexpr,
                    USE_TMA: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr, EVICT_FIRST: tl.constexpr,
-                   NUM_STAGES: tl.constexpr, SHIFT_DECODE: tl.constexpr):
+                   NUM_STAGES: tl.constexpr, SHIFT_DECODE: tl.constexpr, K_WARPS: tl.constexpr):
     """The gate_up program of K split ``kid``: its fp32 partial sums of the stacked tile go to ``part [SPLIT_K, S,
     2I]`` (plain stores: each split has its own slice), and the last split of (grid row, column block) to arrive,
     counted in ``cnt`` (zeroed by the launcher), sums the slices in split order, applies the activation and stores
@@ -645,7 +678,7 @@ def _gate_up_split(x_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, out_ptr, p
         acc = _expert_rows_product_range(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, 2 * e,
                                          pid_n * BLOCK_N, x_ptr, route // top_k, r_ok, stride_xt, k_lo, k_hi, K,
                                          2 * BLOCK_N, BLOCK_K, BLOCK_T, USE_DOT, USE_TMA, FAST_DECODE, EVICT_FIRST,
-                                         EVEN_K, NUM_STAGES, SHIFT_DECODE)
+                                         EVEN_K, NUM_STAGES, SHIFT_DECODE, K_WARPS)
         p_ptrs = part_ptr + kid * slice_numel + route[None, :].to(tl.int64) * (2 * I) + w_row[:, None]
         tl.store(p_ptrs, acc, mask=row_ok[:, None] & r_ok[None, :])
     tl.debug_barrier()  # every thread's partial sums before the release of the count
@@ -680,6 +713,7 @@ def _moe_decode_gate_up_kernel(
     S_BLOCK: tl.constexpr, FAST_DECODE: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
     GDC: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
     USE_DOT: tl.constexpr, EVICT_FIRST: tl.constexpr, NUM_STAGES: tl.constexpr, SHIFT_DECODE: tl.constexpr,
+    K_WARPS: tl.constexpr,
 ):
     # A down kernel launched as a programmatic dependent may start its prologue (routing, L2 prefetch of its
     # weights: nothing this kernel writes) as soon as every program here has started.
@@ -695,7 +729,7 @@ def _moe_decode_gate_up_kernel(
         _gate_up_split(x_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, out_ptr, part_ptr, cnt_ptr, row, pid_n, kid,
                        e, seen, count, S, I, K, top_k, stride_xt, stride_we, stride_wn, stride_wse, stride_wsn,
                        stride_om, tl.num_programs(1), ACTIVATION, FAST_DECODE, EVEN_K, USE_TMA, SPLIT_K, BLOCK_N,
-                       BLOCK_K, BLOCK_T, USE_DOT, EVICT_FIRST, NUM_STAGES, SHIFT_DECODE)
+                       BLOCK_K, BLOCK_T, USE_DOT, EVICT_FIRST, NUM_STAGES, SHIFT_DECODE, K_WARPS)
     elif live:
         # Stacked tile: rows 0..BLOCK_N are gate rows n, rows BLOCK_N..2 BLOCK_N the up rows I + n (the TMA box
         # [2, BLOCK_N, .] of the bank viewed as [2E, I, K/2]).
@@ -713,7 +747,7 @@ def _moe_decode_gate_up_kernel(
             acc = _expert_rows_product(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, 2 * e,
                                        pid_n * BLOCK_N, x_ptr, route // top_k, r_ok, stride_xt, K, 2 * BLOCK_N,
                                        BLOCK_K, BLOCK_T, USE_DOT, USE_TMA, FAST_DECODE, EVICT_FIRST, EVEN_K,
-                                       NUM_STAGES, SHIFT_DECODE)
+                                       NUM_STAGES, SHIFT_DECODE, K_WARPS)
             gate, up = acc.reshape(2, BLOCK_N, BLOCK_T).permute(1, 2, 0).split()
             inter = gated_activation_f32(gate * dec, up * dec, ACTIVATION)
             out_ptrs = out_ptr + route[None, :].to(tl.int64) * stride_om + offs_n[:, None]
@@ -728,6 +762,7 @@ def _moe_decode_down_token_kernel(
     HAS_MAP: tl.constexpr, TOPK_BLOCK: tl.constexpr, FAST_DECODE: tl.constexpr, EVEN_K: tl.constexpr,
     USE_TMA: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
     USE_DOT: tl.constexpr, EVICT_FIRST: tl.constexpr, NUM_STAGES: tl.constexpr, SHIFT_DECODE: tl.constexpr,
+    K_WARPS: tl.constexpr,
 ):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -751,7 +786,7 @@ def _moe_decode_down_token_kernel(
         _gdc_wait(PDL)
     cols = tl.arange(0, BLOCK_T)
     nk = tl.cdiv(K, BLOCK_K)
-    y = _acc_init(BLOCK_N, BLOCK_K, BLOCK_T, USE_DOT)
+    y = _acc_init(BLOCK_N, BLOCK_K, BLOCK_T, USE_DOT, K_WARPS)
     # One loop over (slot, K tile), so the loads stream across slots without draining the pipeline.
     for it in tl.range(0, n_live * nk, num_stages=NUM_STAGES):
         j = it // nk
@@ -768,11 +803,11 @@ def _moe_decode_down_token_kernel(
         # The route's row on column 0 of the MMA's N (or the single CUDA-core column); the others are zeros.
         a = _load_act(a_ptr, t * top_k + slot + cols * 0, cols == 0, stride_am, k0, K, BLOCK_K, EVEN_K)
         if USE_DOT:
-            y += _tile_product(w, s, a, tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32), BLOCK_N, BLOCK_K, a.dtype,
-                               True, FAST_DECODE, SHIFT_DECODE and FAST_DECODE) * c
+            y += _tile_product(w, s, a, _acc_init(BLOCK_N, BLOCK_K, BLOCK_T, True, K_WARPS), BLOCK_N, BLOCK_K,
+                               a.dtype, True, FAST_DECODE, SHIFT_DECODE and FAST_DECODE, K_WARPS) * c
         else:  # the slot's factor on the activations: one multiply per k instead of one per weight
             y = _tile_product(w, s, a.to(tl.float32) * c, y, BLOCK_N, BLOCK_K, a.dtype, False, FAST_DECODE, False)
-    y = _acc_finish(y, USE_DOT, SHIFT_DECODE and FAST_DECODE)
+    y = _acc_finish(y, USE_DOT, SHIFT_DECODE and FAST_DECODE, K_WARPS)
     out = tl.sum(tl.where((cols == 0)[None, :], y, 0.0), axis=1)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
@@ -795,6 +830,7 @@ def _moe_decode_down_expert_kernel(
     TOPK_BLOCK: tl.constexpr, FAST_DECODE: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
     PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr,
     EVICT_FIRST: tl.constexpr, NUM_STAGES: tl.constexpr, SHIFT_DECODE: tl.constexpr,
+    K_WARPS: tl.constexpr,
 ):
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -824,7 +860,7 @@ def _moe_decode_down_expert_kernel(
             route, r_ok = _chunk_routes(seen, c0, count, BLOCK_T)
             acc = _expert_rows_product(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, e, pid_n * BLOCK_N,
                                        a_ptr, route, r_ok, stride_am, K, BLOCK_N, BLOCK_K, BLOCK_T, USE_DOT, USE_TMA,
-                                       FAST_DECODE, EVICT_FIRST, EVEN_K, NUM_STAGES, SHIFT_DECODE)
+                                       FAST_DECODE, EVICT_FIRST, EVEN_K, NUM_STAGES, SHIFT_DECODE, K_WARPS)
             y = (acc * dec) * tl.load(tw_ptr + route, mask=r_ok, other=0.0)[None, :]
             mask = row_ok[:, None] & r_ok[None, :]
             if DETERMINISTIC:  # one fp32 row per route, summed in slot order by the sum kernel
@@ -992,6 +1028,34 @@ def _fast_decode(device) -> bool:
 
 
 _gdc_ok = _fast_decode
+
+
+def shift_ok(k: int) -> bool:
+    """Whether a bank with reduction size ``K`` may run the shift decode.  Its PTX takes the 4 code bytes Triton
+    packs into one instance to be one memory word (elements j and j + 4 of a register pair come from it), which the
+    layout Triton picks gives only when each thread's code loads are whole 16-byte vectors: when the JIT marks the
+    rows' stride (``K / 2`` bytes) and the bank's address divisible by 16.  Elsewhere the table decode runs (bytewise:
+    right for any packing).  On the H200 the shift decode was wrong at K = 336 and 80 (rows of 168 and 40 bytes) and
+    right at K = 352, 512, 1408 and every checkpoint shape; the ready launchers also check the address per call
+    (:class:`_ShiftGate`)."""
+    return k % 32 == 0
+
+
+class _ShiftGate:
+    """A kernel's ready launch with the tile's shift decode where :func:`shift_ok` allows it, and the table
+    decode's (built on first use) for a call whose code bytes do not start 16-byte aligned."""
+
+    def __init__(self, make, shift: bool):
+        self.make, self.shift = make, shift
+        self.main = make(shift)
+        self.table = None
+
+    def __call__(self, codes):
+        if self.shift and codes.data_ptr() % 16:
+            if self.table is None:
+                self.table = self.make(False)
+            return self.table
+        return self.main
 
 
 def _descriptors(name: str, codes, scale_bytes, parts: int, tile: DecodeTile):
@@ -1194,12 +1258,12 @@ def prepare_moe_decode_gate_up(t: int, h: int, i: int, e: int, top_k: int, globa
     has_zero = zero_numel is not None
     zero_chunk = -(-zero_numel // programs) if has_zero else 0
     split = tile.split_k > 1
-    launch = ReadyKernel(
+    launches = _ShiftGate(lambda shift: ReadyKernel(
         _moe_decode_gate_up_kernel, grid, ACTIVATION=activation, HAS_MAP=has_map, BY_EXPERT=rows < s,
         ZERO=has_zero, S_BLOCK=_route_block(s), FAST_DECODE=_fast_decode(device), EVEN_K=h % tile.block_k == 0,
-        GDC=_gdc_ok(device), SPLIT_K=tile.split_k, **tile.kernel_kwargs(), num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
-    )
+        GDC=_gdc_ok(device), SPLIT_K=tile.split_k, **(tile.kernel_kwargs() | {"SHIFT_DECODE": shift}),
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    ), tile.shift_decode and shift_ok(h))
 
     def run(x, w13_codes, w_sf, w13_dec, topk_ids, emap, out=None, zero=None):
         if out is None:
@@ -1209,6 +1273,7 @@ def prepare_moe_decode_gate_up(t: int, h: int, i: int, e: int, top_k: int, globa
             part = torch.empty(tile.split_k * s * 2 * i, dtype=torch.float32, device=x.device)
             cnt = torch.zeros(rows * grid[1], dtype=torch.int32, device=x.device)
         w_desc, s_desc = _descriptors("w13", w13_codes, w_sf, 2, tile)
+        launch = launches(w13_codes)
         launch(x, w13_codes, w_sf, w_desc, s_desc, w13_dec, topk_ids, emap, out, zero if has_zero else w13_dec,
                part, cnt, s, i, h, e, global_e, top_k, zero_numel if has_zero else 0, zero_chunk,
                x.stride(0), w13_codes.stride(0), w13_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0))
@@ -1225,16 +1290,18 @@ def prepare_moe_decode_down_token(t: int, h: int, i: int, e: int, top_k: int, gl
     from .launch import ReadyKernel
 
     gdc = _gdc_ok(device)
-    launch = ReadyKernel(
+    launches = _ShiftGate(lambda shift: ReadyKernel(
         _moe_decode_down_token_kernel, (t, triton.cdiv(h, tile.block_n)), HAS_MAP=has_map,
         TOPK_BLOCK=max(2, triton.next_power_of_2(top_k)), FAST_DECODE=_fast_decode(device),
-        EVEN_K=i % tile.block_k == 0, PDL=tile.pdl and gdc, **tile.kernel_kwargs(), **tile.launch_kwargs(gdc),
-    )
+        EVEN_K=i % tile.block_k == 0, PDL=tile.pdl and gdc, **(tile.kernel_kwargs() | {"SHIFT_DECODE": shift}),
+        **tile.launch_kwargs(gdc),
+    ), tile.shift_decode and shift_ok(i))
 
     def run(inter, w2_codes, w_sf, w2_dec, topk_ids, emap, topk_weights, out=None):
         if out is None:
             out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
         w_desc, s_desc = _descriptors("w2", w2_codes, w_sf, 1, tile)
+        launch = launches(w2_codes)
         launch(inter, w2_codes, w_sf, w_desc, s_desc, w2_dec, topk_ids, emap, topk_weights, out,
                t * top_k, h, i, e, global_e, top_k,
                inter.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0))
@@ -1254,12 +1321,12 @@ def prepare_moe_decode_down_expert(t: int, h: int, i: int, e: int, top_k: int, g
     s = t * top_k
     rows = min(s, e)
     gdc = _gdc_ok(device)
-    launch = ReadyKernel(
+    launches = _ShiftGate(lambda shift: ReadyKernel(
         _moe_decode_down_expert_kernel, (rows, triton.cdiv(h, tile.block_n)), HAS_MAP=has_map, BY_EXPERT=rows < s,
         DETERMINISTIC=deterministic, S_BLOCK=_route_block(s), TOPK_BLOCK=max(2, triton.next_power_of_2(top_k)),
         FAST_DECODE=_fast_decode(device), EVEN_K=i % tile.block_k == 0, PDL=tile.pdl and gdc,
-        **tile.kernel_kwargs(), **tile.launch_kwargs(gdc),
-    )
+        **(tile.kernel_kwargs() | {"SHIFT_DECODE": shift}), **tile.launch_kwargs(gdc),
+    ), tile.shift_decode and shift_ok(i))
     block_h = min(_SUM_BLOCK_H, triton.next_power_of_2(h))
     sum_launch = (ReadyKernel(_moe_decode_sum_kernel, (t, triton.cdiv(h, block_h)), HAS_MAP=has_map,
                               BLOCK_H=block_h, num_warps=4) if deterministic else None)
@@ -1270,6 +1337,7 @@ def prepare_moe_decode_down_expert(t: int, h: int, i: int, e: int, top_k: int, g
         ws = workspace if deterministic else workspace[: t * h]
         counts = workspace.view(torch.int32) if deterministic else workspace[t * h:].view(torch.int32)
         w_desc, s_desc = _descriptors("w2", w2_codes, w_sf, 1, tile)
+        launch = launches(w2_codes)
         launch(inter, w2_codes, w_sf, w_desc, s_desc, w2_dec, topk_ids, emap, topk_weights, ws, counts, out,
                s, h, i, e, global_e, top_k,
                inter.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0))
