@@ -13,8 +13,9 @@ exceeds the layer's GPU time the GPU idles.  Method (eager, tiny shapes so the G
   ready kernel falls back on every call); one Triton launch, the decode gate_up kernel, is also timed both ways.
 
 ``--cold``: compile time of two Qwen3-30B-A3B linear shapes and one of its MoE layers over vLLM's capture sizes
-(and 1k-8k), in a child process with an empty ``TRITON_CACHE_DIR`` (cold), then again with that cache (warm).
-Needs torch and Triton only.
+(and 1k-8k), in a child process with an empty ``TRITON_CACHE_DIR`` (cold: what a first start pays), then again with
+that cache (warm); then, with another empty cache, ``warmup --jobs N``'s way (``warmup.compile_parallel``: the
+variants compiled in N processes, then every call once in the child).  Needs torch and Triton only.
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ MOE_SHAPE = (256, 128, 8, 2)  # H, I, E, top_k
 # The cold-start case: Qwen3-30B-A3B's qkv and o projections and one MoE layer (H, I, E, top_k).
 COLD_LINEARS = [("qkv", 5120, 2048), ("o", 2048, 4096)]
 COLD_MOE = [(2048, 768, 128, 8)]
-# Child-process limits of --cold: the cold run (default; --timeout) and the warm one, within 150 s together.
+# Child-process limits of --cold: the cold run (default; --timeout), the warm one and the parallel one.
 COLD_TIMEOUT_S = 110.0
 WARM_TIMEOUT_S = 35.0
+PARALLEL_TIMEOUT_S = 60.0
+COLD_JOBS = 8
 
 
 @triton.jit
@@ -258,45 +261,57 @@ def bench_host() -> dict:
 
 # ---- cold start --------------------------------------------------------------------------------------------------
 
-def _cold_worker(sizes: tuple[int, ...]) -> dict:
-    """In a child process: run the cold-start case once (compiling what the cache lacks); seconds and calls."""
-    from .warmup import Case, exercise
+def _cold_worker(sizes: tuple[int, ...], jobs: int = 1) -> dict:
+    """In a child process: run the cold-start case once (compiling what the cache lacks; ``jobs > 1``: first
+    ``warmup.compile_parallel`` in that many processes); seconds and calls."""
+    from .dispatch.hw import capability_of
+    from .warmup import Case, compile_parallel, exercise
 
     case = Case(linears=COLD_LINEARS, moe=COLD_MOE, w4a4=True, sizes=sizes)
     t0 = time.perf_counter()
+    par = compile_parallel(case, capability_of(torch.device("cuda")), jobs) if jobs > 1 else {}
     r = exercise(case)
-    return {**r, "total_s": time.perf_counter() - t0}
+    return {**r, **par, "total_s": time.perf_counter() - t0}
 
 
 def _files(d: Path) -> int:
     return sum(1 for p in d.rglob("*") if p.is_file())
 
 
-def bench_cold(sizes: tuple[int, ...], timeout_s: float) -> dict:
-    """The cold-start case in a child process with an empty Triton cache, then warm with that cache."""
-    results = {"sizes": list(sizes), "linears": COLD_LINEARS, "moe": COLD_MOE}
-    with tempfile.TemporaryDirectory(prefix="triton-cold-") as cache:
-        env = {**os.environ, "TRITON_CACHE_DIR": cache}
+def bench_cold(sizes: tuple[int, ...], timeout_s: float, jobs: int = COLD_JOBS) -> dict:
+    """The cold-start case in a child process with an empty Triton cache, then warm with that cache; then with a
+    second empty cache the parallel way (``jobs`` compiling processes first; skipped when ``jobs`` < 2)."""
+    results = {"sizes": list(sizes), "linears": COLD_LINEARS, "moe": COLD_MOE, "jobs": jobs}
+    with tempfile.TemporaryDirectory(prefix="triton-cold-") as cache, \
+            tempfile.TemporaryDirectory(prefix="triton-par-") as par_cache:
         argv = [sys.executable, "-m", "vllm_nvfp4_sm120.bench_host", "--cold-worker", ",".join(map(str, sizes))]
-        for phase, limit in (("cold", timeout_s), ("warm", WARM_TIMEOUT_S)):
+        phases = [("cold", cache, 1, timeout_s), ("warm", cache, 1, WARM_TIMEOUT_S)]
+        if jobs > 1:
+            phases.append(("parallel", par_cache, jobs, PARALLEL_TIMEOUT_S))
+        for phase, where, n, limit in phases:
+            env = {**os.environ, "TRITON_CACHE_DIR": where}
             t0 = time.perf_counter()
             try:
-                p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=limit)
+                p = subprocess.run(argv + [str(n)], env=env, capture_output=True, text=True, timeout=limit)
             except subprocess.TimeoutExpired:
-                results[phase] = {"error": f"timed out after {limit:.0f} s", "cache_files": _files(Path(cache))}
+                results[phase] = {"error": f"timed out after {limit:.0f} s", "cache_files": _files(Path(where))}
                 print(f"{phase}: timed out after {limit:.0f} s ({results[phase]['cache_files']} cache files by then)",
                       flush=True)
-                break
+                if phase == "cold":
+                    break
+                continue
             if p.returncode:
                 results[phase] = {"error": (p.stderr or p.stdout).strip().splitlines()[-1:]}
                 print(f"{phase}: failed: {p.stderr.strip()[-2000:]}", flush=True)
                 break
             r = json.loads(p.stdout.strip().splitlines()[-1])
             r["process_s"] = time.perf_counter() - t0
-            r["cache_files"] = _files(Path(cache))
+            r["cache_files"] = _files(Path(where))
             results[phase] = r
+            par = (f"; {r['jobs']} compiling processes {r['parallel_s']:.1f} s, then this pass"
+                   + (f"; failed processes: {r['errors']}" if r.get("errors") else "")) if "parallel_s" in r else ""
             print(f"{phase}: {r['total_s']:.1f} s for {r['calls']} calls (linear {r['linear_s']:.1f} s, MoE "
-                  f"{r['moe_s']:.1f} s; route {r['route']}); process {r['process_s']:.1f} s; Triton cache "
+                  f"{r['moe_s']:.1f} s; route {r['route']}{par}); process {r['process_s']:.1f} s; Triton cache "
                   f"{r['cache_files']} files", flush=True)
     return results
 
@@ -305,6 +320,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cold", action="store_true", help="cold/warm compile time of the Qwen3-30B-A3B case instead")
     p.add_argument("--sizes", help="--cold: comma list of batch sizes (default: vLLM's capture sizes and 1k-8k)")
     p.add_argument("--timeout", type=float, default=COLD_TIMEOUT_S, help="--cold: seconds for the cold child process")
+    p.add_argument("--jobs", type=int, default=COLD_JOBS, help="--cold: compiling processes of the parallel phase "
+                                                                "(< 2: no parallel phase)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': stdout)")
 
 
@@ -317,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.cold:
         sizes = tuple(int(s) for s in args.sizes.split(",")) if args.sizes else DEFAULT_SIZES
-        result = bench_cold(sizes, args.timeout)
+        result = bench_cold(sizes, args.timeout, args.jobs)
     else:
         result = bench_host()
     if args.json:
@@ -326,8 +343,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--cold-worker":
-        print(json.dumps(_cold_worker(tuple(int(s) for s in sys.argv[2].split(",")))))
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "--cold-worker":
+        jobs = int(sys.argv[3]) if len(sys.argv) == 4 else 1
+        print(json.dumps(_cold_worker(tuple(int(s) for s in sys.argv[2].split(",")), jobs)))
         sys.exit(0)
     parser = argparse.ArgumentParser(prog="python -m vllm_nvfp4_sm120.bench host")
     add_args(parser)

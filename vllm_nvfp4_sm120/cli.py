@@ -178,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     wu.add_argument("--dry-run", action="store_true", help="list the variants, compile nothing (no GPU needed)")
     wu.add_argument("--sizes", help="comma list of batch sizes (default: vLLM's capture sizes and 1k-8k)")
     wu.add_argument("--route", help="linear route (default: the one vLLM's auto choice takes first on this GPU)")
+    wu.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                    help="processes compiling in parallel (default: min(8, CPUs); 1: one after another)")
     wu.set_defaults(func=_warmup)
     return parser
 

@@ -7,13 +7,23 @@ ops once per (layer shape, capture size) on random weights of the checkpoint's s
 
 The shapes are ``inspect``'s: the NVFP4 dense linears as vLLM runs them (fused, unsharded) and the MoE layer.
 Needs torch and Triton only (vLLM is not imported).
+
+Compiling is single-threaded CPU work, one variant after another in one process.  ``--jobs N`` first splits the
+(layer, size) calls into groups that meet disjoint variants (:func:`work_units`: per layer shape, plan, and the
+compile-time arguments that follow T: the activation quantizer's tile, the decode kernels' route-vector width) and
+runs them in N child processes that share ``$TRITON_CACHE_DIR`` (Triton writes its cache entries atomically); then
+this process runs every call once more, so whatever a child did not compile is compiled here and every call has run.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -161,6 +171,82 @@ def exercise(case: Case, device: torch.device | str = "cuda", dtype: torch.dtype
     return {**times, "calls": calls, "route": route}
 
 
+# ---- parallel compilation ------------------------------------------------------------------------------------------
+
+def work_units(case: Case, cap) -> list[Case]:
+    """``case`` as sub-cases (one layer each) whose calls meet disjoint groups of kernel variants: per layer shape
+    and plan, split further by what the plan's kernels take as compile-time arguments that follow T (the W4A4
+    plans' activation-quantizer tile; the decode kernels' route-vector width and whether their grid is per expert).
+    Kernels several groups share (the MoE align and sum kernels) may compile in more than one child; the union of
+    the sub-cases' calls is ``case``'s, each once."""
+    from .dispatch.linear import act_quant_config, select_linear
+    from .dispatch.moe import select_moe_plan
+    from .kernels.moe_decode import route_block
+
+    route = case.linear_route(cap)
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for layer in case.linears:
+        _, n, k = layer
+        for t in case.sizes:
+            plan = select_linear(cap, route, t, n, k)
+            groups[("linear", layer, plan, str(act_quant_config(t, k)) if plan.is_w4a4 else "")].append(t)
+    for shape in case.moe:
+        h, i, e, top_k = shape
+        for t in case.sizes:
+            plan = select_moe_plan(cap, num_tokens=t, top_k=top_k, global_experts=e, hidden=h, intermediate=i,
+                                   w4a4=case.w4a4)
+            decode = (route_block(t * top_k), t * top_k > e) if plan.impl == "decode" else None
+            groups[("moe", shape, plan, decode)].append(t)
+    units = []
+    for (kind, layer, *_), sizes in groups.items():
+        linears, moe = ([layer], []) if kind == "linear" else ([], [layer])
+        units.append(Case(linears=linears, moe=moe, w4a4=case.w4a4, sizes=tuple(sizes), route=route))
+    return units
+
+
+def _bins(units: list[Case], jobs: int) -> list[list[Case]]:
+    """Units into at most ``jobs`` bins of about equal work (a unit's work: one compile group; the MoE ones hold
+    several kernels, so they count three times), largest first into the least loaded bin."""
+    weight = lambda u: 3 if u.moe else 1  # noqa: E731
+    bins: list[list[Case]] = [[] for _ in range(max(1, min(jobs, len(units))))]
+    load = [0] * len(bins)
+    for u in sorted(units, key=weight, reverse=True):
+        j = load.index(min(load))
+        bins[j].append(u)
+        load[j] += weight(u)
+    return [b for b in bins if b]
+
+
+def _worker(spec: str) -> int:
+    """A child of :func:`compile_parallel`: run its sub-cases (JSON) on the GPU."""
+    for d in json.loads(spec):
+        exercise(Case(linears=[tuple(x) for x in d["linears"]], moe=[tuple(x) for x in d["moe"]], w4a4=d["w4a4"],
+                      sizes=tuple(d["sizes"]), route=d["route"]), device=d.get("device", "cuda"))
+    return 0
+
+
+def compile_parallel(case: Case, cap, jobs: int, device: str = "cuda", timeout_s: float | None = None) -> dict:
+    """Run ``case``'s work units in ``jobs`` child processes (sharing this environment's Triton cache); returns
+    seconds, the number of children and the errors of any that failed (their calls then compile in the caller's
+    serial pass)."""
+    t0 = time.perf_counter()
+    bins = _bins(work_units(case, cap), jobs)
+    argv = [sys.executable, "-m", "vllm_nvfp4_sm120.warmup", "--worker"]
+    procs = [subprocess.Popen(argv + [json.dumps([asdict(u) | {"device": device} for u in b])],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for b in bins]
+    errors = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+            err = f"timed out after {timeout_s} s"
+        if p.returncode:
+            errors.append((err or "").strip().splitlines()[-1:] or [f"exit {p.returncode}"])
+    return {"parallel_s": time.perf_counter() - t0, "jobs": len(bins), "errors": errors}
+
+
 def main(args) -> int:
     """The CLI's ``warmup``: ``args.checkpoint``, ``args.dry_run``, ``args.sizes`` (comma list or None)."""
     from .dispatch.hw import SM120_REFERENCE, capability_of
@@ -181,11 +267,20 @@ def main(args) -> int:
     if not on_gpu:
         print("warmup: compiling needs a CUDA GPU (use --dry-run to list the variants)")
         return 1
-    import os
-
     t0 = time.perf_counter()
+    jobs = getattr(args, "jobs", 1) or 1
+    if jobs > 1:
+        par = compile_parallel(case, cap, jobs)
+        print(f"# {par['jobs']} processes compiled in {par['parallel_s']:.1f} s"
+              + "".join(f"\n# a process failed (its calls compile below): {e}" for e in par["errors"]))
     r = exercise(case)
     cache = os.environ.get("TRITON_CACHE_DIR") or "~/.triton/cache"
     print(f"# compiled and ran {r['calls']} calls in {time.perf_counter() - t0:.1f} s "
-          f"(linear {r['linear_s']:.1f} s, MoE {r['moe_s']:.1f} s); Triton cache: {cache}")
+          f"(this process: linear {r['linear_s']:.1f} s, MoE {r['moe_s']:.1f} s); Triton cache: {cache}")
     return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        raise SystemExit(_worker(sys.argv[2]))
+    raise SystemExit("usage: python -m vllm_nvfp4_sm120.warmup --worker JSON (the CLI is vllm-nvfp4-sm120 warmup)")

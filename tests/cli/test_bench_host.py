@@ -9,7 +9,8 @@ from vllm_nvfp4_sm120 import bench, bench_host
 def test_parser_has_host_and_cold():
     args = bench.build_parser().parse_args(["host", "--cold", "--sizes", "1,8", "--json", "x.json"])
     assert args.func is bench_host.run and args.cold and args.sizes == "1,8" and args.json == "x.json"
-    assert args.timeout + bench_host.WARM_TIMEOUT_S <= 150
+    assert args.jobs == bench_host.COLD_JOBS > 1  # the parallel phase runs by default
+    assert args.timeout + bench_host.WARM_TIMEOUT_S + bench_host.PARALLEL_TIMEOUT_S <= 210
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")

@@ -69,3 +69,46 @@ def test_exercise_calls_every_layer_at_every_size_cpu(tiny, act):
     r = warmup.exercise(case, device="cpu", progress=seen.append)
     assert r["calls"] == len(seen) == 2 * (len(case.linears) + len(case.moe))
     assert r["route"] == ("triton" if act == "w4a4" else "w4a16")
+
+
+@pytest.mark.parametrize("act", ["w4a4", "w4a16"])
+def test_work_units_split_the_calls_once_each(tiny, act):
+    """The parallel pass's units: one layer each, every (layer, size) call in exactly one unit, and no unit whose
+    sizes meet two plans."""
+    from vllm_nvfp4_sm120.dispatch.linear import select_linear
+    from vllm_nvfp4_sm120.dispatch.moe import select_moe_plan
+
+    case = warmup.case_from_checkpoint(tiny[("modelopt", act)])
+    units = warmup.work_units(case, SM120_REFERENCE)
+    calls = sorted((str(layer), t) for u in units for layer in u.linears + u.moe for t in u.sizes)
+    assert calls == sorted((str(layer), t) for layer in case.linears + case.moe for t in case.sizes)
+    assert all(len(u.linears) + len(u.moe) == 1 and u.route == case.linear_route(SM120_REFERENCE) for u in units)
+    for u in units:
+        if u.linears:
+            _, n, k = u.linears[0]
+            plans = {select_linear(SM120_REFERENCE, u.route, t, n, k) for t in u.sizes}
+        else:
+            h, i, e, top_k = u.moe[0]
+            plans = {select_moe_plan(SM120_REFERENCE, num_tokens=t, top_k=top_k, global_experts=e, hidden=h,
+                                     intermediate=i, w4a4=case.w4a4) for t in u.sizes}
+        assert len(plans) == 1
+    bins = warmup._bins(units, 3)
+    assert len(bins) == 3 and sorted(map(id, (u for b in bins for u in b))) == sorted(map(id, units))
+
+
+def test_compile_parallel_children_run_their_calls_cpu(tiny):
+    # Two child processes run their units through the ops (on CPU: the references) and exit cleanly; a child that
+    # fails is reported, not raised.
+    case = warmup.case_from_checkpoint(tiny[("modelopt", "w4a4")], sizes=(1, 24, 200))
+    r = warmup.compile_parallel(case, SM120_REFERENCE, 2, device="cpu", timeout_s=300)
+    assert r["jobs"] == 2 and r["errors"] == []
+    bad = warmup.Case(linears=[("qkv", 256, 100)], moe=[], w4a4=True, sizes=(1,))  # K not a multiple of 16
+    r = warmup.compile_parallel(bad, SM120_REFERENCE, 2, device="cpu", timeout_s=300)
+    assert r["jobs"] == 1 and len(r["errors"]) == 1 and "K = 100" in r["errors"][0][0]
+
+
+def test_jobs_option():
+    from vllm_nvfp4_sm120.cli import build_parser
+
+    assert build_parser().parse_args(["warmup", "--checkpoint", "x", "--jobs", "3"]).jobs == 3
+    assert build_parser().parse_args(["warmup", "--checkpoint", "x"]).jobs >= 1

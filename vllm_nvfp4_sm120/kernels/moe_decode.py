@@ -1014,7 +1014,9 @@ def _check_bank_meta(name: str, codes, scales, dec, rows: int | None, k: int | N
     return e, n, kk
 
 
-def _route_block(routes: int) -> int:
+def route_block(routes: int) -> int:
+    """The width of the kernels' route-id vector for a call of ``routes`` routes (a compile-time argument: one of
+    a few buckets)."""
     return next(b for b in _ROUTE_BLOCKS if routes <= b)
 
 
@@ -1260,7 +1262,7 @@ def prepare_moe_decode_gate_up(t: int, h: int, i: int, e: int, top_k: int, globa
     split = tile.split_k > 1
     launches = _ShiftGate(lambda shift: ReadyKernel(
         _moe_decode_gate_up_kernel, grid, ACTIVATION=activation, HAS_MAP=has_map, BY_EXPERT=rows < s,
-        ZERO=has_zero, S_BLOCK=_route_block(s), FAST_DECODE=_fast_decode(device), EVEN_K=h % tile.block_k == 0,
+        ZERO=has_zero, S_BLOCK=route_block(s), FAST_DECODE=_fast_decode(device), EVEN_K=h % tile.block_k == 0,
         GDC=_gdc_ok(device), SPLIT_K=tile.split_k, **(tile.kernel_kwargs() | {"SHIFT_DECODE": shift}),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     ), tile.shift_decode and shift_ok(h))
@@ -1323,7 +1325,7 @@ def prepare_moe_decode_down_expert(t: int, h: int, i: int, e: int, top_k: int, g
     gdc = _gdc_ok(device)
     launches = _ShiftGate(lambda shift: ReadyKernel(
         _moe_decode_down_expert_kernel, (rows, triton.cdiv(h, tile.block_n)), HAS_MAP=has_map, BY_EXPERT=rows < s,
-        DETERMINISTIC=deterministic, S_BLOCK=_route_block(s), TOPK_BLOCK=max(2, triton.next_power_of_2(top_k)),
+        DETERMINISTIC=deterministic, S_BLOCK=route_block(s), TOPK_BLOCK=max(2, triton.next_power_of_2(top_k)),
         FAST_DECODE=_fast_decode(device), EVEN_K=i % tile.block_k == 0, PDL=tile.pdl and gdc,
         **(tile.kernel_kwargs() | {"SHIFT_DECODE": shift}), **tile.launch_kwargs(gdc),
     ), tile.shift_decode and shift_ok(i))
