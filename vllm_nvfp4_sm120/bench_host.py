@@ -4,7 +4,10 @@ Prefill runs outside CUDA graphs, so every call pays its Python dispatch and lau
 exceeds the layer's GPU time the GPU idles.  Method (eager, tiny shapes so the GPU work is negligible):
 - each candidate is called ``CALLS`` times back to back and timed with a CPU clock; ``host us`` is the loop's time
   per call *before* the final ``torch.cuda.synchronize()`` (what the host spent), ``synced us`` includes it (if it is
-  much larger, the GPU, not the host, bounded the loop); median over ``ROUNDS`` rounds, after warm-up calls;
+  much larger, the GPU, not the host, bounded the loop); median over ``ROUNDS`` rounds, after warm-up calls.  The
+  rounds interleave the candidates (round r times every candidate once, in order), and each ratio below is the
+  median of the per-round ratios: the host's speed drifts within a run (the same trivial launch measured 19 and 26
+  us minutes apart on one H200 machine), and a drift then moves a row and its reference together;
 - kernels per call are counted in a separate, untimed pass with the torch profiler (Triton kernels, cuBLAS, memsets);
 - a cuBLAS ``x @ w.t()`` and trivial Triton launches are measured in the same run: host speed varies by machine, so
   the ratios to them are what compare across machines (goal: an op ≤ 2 x a trivial launch per kernel it launches);
@@ -59,25 +62,6 @@ def _trivial_12(p0, p1, p2, p3, p4, p5, n0, n1, n2, n3, n4, n5, BLOCK: tl.conste
     tl.store(p0, (n0 + n1 + n2 + n3 + n4 + n5).to(tl.float32))
 
 
-def host_us(fn, calls: int = CALLS, rounds: int = ROUNDS) -> tuple[float, float]:
-    """``(host us, synced us)`` per call of ``fn`` (see the module docstring)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    host, synced = [], []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        host.append((t1 - t0) / calls * 1e6)
-        synced.append((t2 - t0) / calls * 1e6)
-    return statistics.median(host), statistics.median(synced)
-
-
 def kernels_per_call(fn, calls: int = 4) -> float | None:
     """GPU activities (kernels, memsets, copies) per call of ``fn``, from the torch profiler; None if it fails."""
     try:
@@ -111,26 +95,66 @@ def _noop_ops():
     return lib, torch.ops.nvfp4_sm120_bench.noop, noop_custom
 
 
-def _row(rows, name: str, fn, *, note: str = "", kernels: float | None = None, count: bool = True):
-    from .kernels import launch
+class _Rows:
+    """The candidates of one run, timed in interleaved rounds (see the module docstring).  :meth:`add` warms a
+    candidate up (a route this GPU cannot run is reported then, as a row that did not run); :meth:`measure` times
+    them all and fills the rows."""
 
-    jit0 = launch.jit_launches
-    try:
-        us, synced = host_us(fn)
-    except Exception as e:  # a route this GPU cannot run: say why, keep going
-        rows.append(dict(call=name, host_us=None, synced_us=None, kernels=None, note=f"not run: {type(e).__name__}: "
-                                                                                   f"{str(e).splitlines()[0][:160]}"))
-        print(f"{name:58} not run: {rows[-1]['note']}", flush=True)
-        return
-    # Ready-kernel launches that took Triton's JIT path, per call of the timed loops (warm-up included): about 0
-    # where the fast path is in effect, >= 1 per ready kernel of the call where it is not.
-    jit = (launch.jit_launches - jit0) / (3 + CALLS * ROUNDS)
-    if kernels is None and count:
-        kernels = kernels_per_call(fn)
-    rows.append(dict(call=name, host_us=us, synced_us=synced, kernels=kernels, jit_path_per_call=jit, note=note))
-    k = f"{kernels:4.1f}" if kernels is not None else "   ?"
-    print(f"{name:58} {us:8.1f} us  (synced {synced:8.1f})  kernels/call {k}  JIT-path launches/call {jit:5.2f}  "
-          f"{note}", flush=True)
+    def __init__(self):
+        self.rows: list[dict] = []
+        self._cands: list[tuple[dict, object, bool]] = []
+
+    def add(self, name: str, fn, *, note: str = "", kernels: float | None = None, count: bool = True) -> None:
+        try:
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+        except Exception as e:  # a route this GPU cannot run: say why, keep going
+            self.rows.append(dict(call=name, host_us=None, synced_us=None, kernels=None,
+                                  note=f"not run: {type(e).__name__}: {str(e).splitlines()[0][:160]}"))
+            print(f"{name:58} not run: {self.rows[-1]['note']}", flush=True)
+            return
+        row = dict(call=name, host_us=None, synced_us=None, kernels=kernels, jit_path_per_call=None, note=note)
+        self.rows.append(row)
+        self._cands.append((row, fn, count and kernels is None))
+
+    def measure(self, calls: int = CALLS, rounds: int = ROUNDS) -> None:
+        from .kernels import launch
+
+        host: list[list[float]] = [[] for _ in self._cands]
+        synced: list[list[float]] = [[] for _ in self._cands]
+        jit = [0] * len(self._cands)
+        for _ in range(rounds):
+            for j, (_, fn, _) in enumerate(self._cands):
+                jit0 = launch.jit_launches
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                t2 = time.perf_counter()
+                jit[j] += launch.jit_launches - jit0
+                host[j].append((t1 - t0) / calls * 1e6)
+                synced[j].append((t2 - t0) / calls * 1e6)
+        for j, (row, fn, count) in enumerate(self._cands):
+            row["host_us"], row["synced_us"] = statistics.median(host[j]), statistics.median(synced[j])
+            row["round_us"] = host[j]
+            # Ready-kernel launches that took Triton's JIT path, per timed call: about 0 where the fast path is in
+            # effect, >= 1 per ready kernel of the call where it is not.
+            row["jit_path_per_call"] = jit[j] / (calls * rounds)
+            if count:
+                row["kernels"] = kernels_per_call(fn)
+            k = f"{row['kernels']:4.1f}" if row["kernels"] is not None else "   ?"
+            print(f"{row['call']:58} {row['host_us']:8.1f} us  (synced {row['synced_us']:8.1f})  kernels/call {k}  "
+                  f"JIT-path launches/call {row['jit_path_per_call']:5.2f}  {row['note']}", flush=True)
+
+
+def _ratio(row: dict, ref: dict | None) -> float | None:
+    """Median over rounds of ``row``'s host time over ``ref``'s in the same round."""
+    if ref is None or row.get("round_us") is None or ref.get("round_us") is None:
+        return None
+    return statistics.median(a / b for a, b in zip(row["round_us"], ref["round_us"]))
 
 
 def _fast(ready) -> bool:
@@ -138,7 +162,7 @@ def _fast(ready) -> bool:
     return ready._variant is not None
 
 
-def _decode_gate_up_rows(rows, plan, x, w13, d13, ti) -> None:
+def _decode_gate_up_rows(rows: "_Rows", plan, x, w13, d13, ti) -> None:
     """One heavy kernel (the decode gate_up, ~45 arguments with its constexprs) launched by Triton's JIT path and by
     the ready kernel's fast path: the same ready launcher, built with the fast path off and on."""
     from .kernels import launch
@@ -155,7 +179,7 @@ def _decode_gate_up_rows(rows, plan, x, w13, d13, ti) -> None:
         finally:
             launch.ENABLED = True
         out = torch.empty((t * ti.shape[1], two_i // 2), dtype=x.dtype, device=x.device)
-        _row(rows, f"  decode gate_up ready launcher, {'fast' if fast else 'JIT'} path T={t}",
+        rows.add(f"  decode gate_up ready launcher, {'fast' if fast else 'JIT'} path T={t}",
              lambda run=run, out=out: run(x, w13.codes, sf, d13, ti, ti, out), count=False, kernels=1.0,
              note="TMA descriptors made per call" if plan.gate_up.use_tma else "")
 
@@ -176,25 +200,25 @@ def bench_host() -> dict:
     gen = torch.Generator(device=dev).manual_seed(0)
     print(f"# {torch.cuda.get_device_name()} ({cap.name}), torch {torch.__version__}, triton {triton.__version__}; "
           f"{CALLS} calls x {ROUNDS} rounds per row", flush=True)
-    rows: list[dict] = []
+    rows = _Rows()
 
     # References: what a launch costs on this host.
     n, k = LINEAR_SHAPE
     x1 = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
     buf = torch.zeros(16, device=dev)
-    _row(rows, "cublas x @ w.t() (T=1, bf16)", lambda: x1 @ w.t())
-    _row(rows, "trivial Triton launch (1 arg)", lambda: _trivial[(1,)](buf))
-    _row(rows, "trivial Triton launch (12 args)", lambda: _trivial_12[(1,)](buf, buf, buf, buf, buf, buf,
+    rows.add("cublas x @ w.t() (T=1, bf16)", lambda: x1 @ w.t())
+    rows.add("trivial Triton launch (1 arg)", lambda: _trivial[(1,)](buf))
+    rows.add("trivial Triton launch (12 args)", lambda: _trivial_12[(1,)](buf, buf, buf, buf, buf, buf,
                                                                            1, 2, 3, 4, 5, 6, BLOCK=16))
     ready_12 = ReadyKernel(_trivial_12, (1,), BLOCK=16)
     args_12 = (buf, buf, buf, buf, buf, buf, 1, 2, 3, 4, 5, 6)
     ready_12(*args_12)  # the JIT's launch: the variant the fast path then takes
-    _row(rows, "trivial Triton launch (12 args), ReadyKernel", lambda: ready_12(*args_12),
+    rows.add("trivial Triton launch (12 args), ReadyKernel", lambda: ready_12(*args_12),
          note="fast path" if _fast(ready_12) else "JIT path (fast path unavailable)")
     lib, noop, noop_custom = _noop_ops()
-    _row(rows, "no-op op, torch.library.Library define + impl", lambda: noop(x1), count=False)
-    _row(rows, "no-op op, torch.library.custom_op", lambda: noop_custom(x1), count=False)
+    rows.add("no-op op, torch.library.Library define + impl", lambda: noop(x1), count=False)
+    rows.add("no-op op, torch.library.custom_op", lambda: noop_custom(x1), count=False)
 
     # The linear op, every route the GPU can run.
     q = gpu_nvfp4((n, k), gen)
@@ -210,16 +234,16 @@ def bench_host() -> dict:
             try:
                 plan = select_linear(cap, route, t, n, k)
             except ValueError as e:
-                rows.append(dict(call=f"linear {route} T={t}", host_us=None, synced_us=None, kernels=None,
+                rows.rows.append(dict(call=f"linear {route} T={t}", host_us=None, synced_us=None, kernels=None,
                                  note=f"not run: {e}"))
                 print(f"linear {route} T={t}: not run: {e}", flush=True)
                 break
             tile = ",".join(f"{a}={b}" for a, b in plan.params)
-            _row(rows, f"torch.ops.nvfp4_sm120.linear {route} T={t}",
+            rows.add(f"torch.ops.nvfp4_sm120.linear {route} T={t}",
                  lambda x=x, s=s, route=route: torch.ops.nvfp4_sm120.linear(x, q.codes, q.scales, dec, s, one, one,
                                                                             None, route),
                  note=f"{plan.kernel}({tile})")
-            _row(rows, f"  its launcher (validating, no op) T={t}",
+            rows.add(f"  its launcher (validating, no op) T={t}",
                  lambda x=x, s=s, plan=plan: LINEAR_KERNELS[plan.kernel](x, q.codes, q.scales, dec, s, one, one, None,
                                                                         **plan.kwargs), count=False)
 
@@ -235,7 +259,7 @@ def bench_host() -> dict:
         out = torch.empty((t, h), device=dev, dtype=torch.bfloat16)
         a = enc if w4a4 else None
         plan = plan_for(x, w13.codes, w2.codes, ti, w4a4=w4a4)
-        _row(rows, f"torch.ops.nvfp4_sm120.moe {'W4A4' if w4a4 else 'W4A16'} checkpoint T={t}",
+        rows.add(f"torch.ops.nvfp4_sm120.moe {'W4A4' if w4a4 else 'W4A16'} checkpoint T={t}",
              lambda x=x, tw=tw, ti=ti, out=out, a=a: torch.ops.nvfp4_sm120.moe(
                  x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, a, a, None, "silu", False, out),
              note=f"{plan.kernel} {plan.impl} block_m={plan.block_m}")
@@ -243,20 +267,23 @@ def bench_host() -> dict:
             _decode_gate_up_rows(rows, plan, x, w13, d13, ti)
     del lib
 
-    trivial = next((r["host_us"] for r in rows if r["call"].startswith("trivial Triton launch (12")), None)
-    cublas = rows[0]["host_us"]
-    print("\n# ratios: host us / trivial Triton launch (12 args); per kernel: / (kernels per call x that)", flush=True)
-    for r in rows:
+    print(f"# timing {len(rows._cands)} calls in {ROUNDS} interleaved rounds", flush=True)
+    rows.measure()
+    trivial = next((r for r in rows.rows if r["call"].startswith("trivial Triton launch (12")), None)
+    cublas = rows.rows[0]
+    print("\n# ratios (median of per-round ratios): host us / trivial Triton launch (12 args); per kernel: / (kernels "
+          "per call x that)", flush=True)
+    for r in rows.rows:
         if r["host_us"] is None or trivial is None:
             continue
-        r["x_trivial"] = r["host_us"] / trivial
-        r["x_cublas"] = r["host_us"] / cublas if cublas else None
-        per = r["host_us"] / (r["kernels"] * trivial) if r.get("kernels") else None
+        r["x_trivial"] = _ratio(r, trivial)
+        r["x_cublas"] = _ratio(r, cublas)
+        per = r["x_trivial"] / r["kernels"] if r.get("kernels") else None
         r["x_trivial_per_kernel"] = per
         per_s = f"{per:5.2f}" if per is not None else "    ?"
         print(f"{r['call']:58} x trivial {r['x_trivial']:6.2f}  per kernel {per_s}  x cuBLAS {r['x_cublas']:6.2f}")
     return {"device": torch.cuda.get_device_name(), "cc": cap.cc, "torch": torch.__version__,
-            "triton": triton.__version__, "calls": CALLS, "rounds": ROUNDS, "rows": rows}
+            "triton": triton.__version__, "calls": CALLS, "rounds": ROUNDS, "interleaved": True, "rows": rows.rows}
 
 
 # ---- cold start --------------------------------------------------------------------------------------------------
