@@ -161,6 +161,9 @@ DOWN = {  # name: (kernel, deterministic, tile)
                                                                   shift_decode=True)),
     "tok-n32k256-kw4-st2-shift": ("token", False, DecodeTile(32, 256, 16, num_warps=4, num_stages=2, use_dot=True,
                                                              k_warps=4, shift_decode=True)),
+    # The table's TMA down tiles by pointer loads: TMA descriptors are made and encoded on the host per call.
+    "exp-n64k256-w2-st2-shift": ("expert", False, DecodeTile(64, 256, 16, num_warps=2, num_stages=2, use_dot=True,
+                                                             shift_decode=True)),
 }
 # What a run sweeps without --gate-up / --down (about ten kernel tiles: each compiles once per routing bucket, and
 # the compiles are most of the ~4 minutes); the others are there for a focused second run.

@@ -265,10 +265,10 @@ def bench_host() -> dict:
              note=f"{plan.kernel} {plan.impl} block_m={plan.block_m}")
         if t == 1 and not w4a4 and plan.impl == "decode":
             _decode_gate_up_rows(rows, plan, x, w13, d13, ti)
-    del lib
 
     print(f"# timing {len(rows._cands)} calls in {ROUNDS} interleaved rounds", flush=True)
     rows.measure()
+    del lib  # the no-op ops' library: alive until their rows are timed
     trivial = next((r for r in rows.rows if r["call"].startswith("trivial Triton launch (12")), None)
     cublas = rows.rows[0]
     print("\n# ratios (median of per-round ratios): host us / trivial Triton launch (12 args); per kernel: / (kernels "
