@@ -201,7 +201,7 @@ def _decode_plans():
     """Every decode gate_up tile and both down kernels, the expert-major one with and without TMA (the interpreter
     is slow: one case each; the kernels' own tests cover the rest)."""
     cases = {  # id: (T, H, I) as decode_tier_plan reads them
-        "t1-expert-tma": (1, 4096, 4096), "t2-expert-tma": (2, 4096, 4096), "t8-token": (8, 4096, 512), "t32-expert-tma": (32, 4096, 4096),
+        "t1-expert-ptr": (1, 4096, 4096), "t2-expert-tma": (2, 4096, 512), "t8-token": (8, 4096, 512), "t32-expert-tma": (32, 4096, 4096),
         "t8-token-odd": (8, 4112, 496), "t4-expert-nontma": (4, 4112, 4112),
     }
     out = []
@@ -319,9 +319,12 @@ def test_dispatch_decode_rows():
                 for w4a4 in (False, True):  # weight-only for W4A4 checkpoints too
                     p = plan(t, name, cap, w4a4)
                     assert (p.impl, p.kernel, p.block_m) == ("decode", "w4a16", 0), (cap, name, t, w4a4)
-                    # gate_up by pointer loads (the narrow K step); the expert-major down by TMA.
-                    assert not p.gate_up.use_tma and p.down.use_tma == (p.decode_down == "expert")
-                    assert p.gate_up.shift_decode == (t != 2) and p.down.shift_decode == (t > 2)
+                    # gate_up by pointer loads (the narrow K step); the expert-major down by TMA at I <= 512 only.
+                    h, i = H200_SHAPES[name][:2]
+                    assert not p.gate_up.use_tma
+                    assert p.down.use_tma == (p.decode_down == "expert" and i <= M.DECODE_TMA_DOWN_MAX_I)
+                    assert p.gate_up.shift_decode == (t != 2)
+                    assert p.down.shift_decode == (t > 2 or i > M.DECODE_TMA_DOWN_MAX_I)
                     assert p.gate_up.k_warps == (4 if t == 1 else 1)
             h, i, e, k = H200_SHAPES[name]  # T = 64: the decode plan's below 4 routes per expert (H200 run 26)
             assert (plan(64, name, cap).impl == "decode") == (64 * k / e < M.W4A4_MIN_TOKENS_PER_EXPERT)
@@ -335,8 +338,9 @@ def test_dispatch_decode_rows():
     assert plan(32).impl == "decode" and plan(16).impl == "decode"
     assert plan(32, global_experts=64).impl != "decode"
     assert [plan(t, "qwen3-next-80b").decode_down for t in (1, 4, 8, 32)] == ["expert", "expert", "token", "token"]
-    assert plan(1).down == M.DECODE_DOWN_TILES["exp-n32k256-w2-tma-st2"]
-    assert plan(4).down == M.DECODE_DOWN_TILES["exp-n64k256-w2-tma-st2-shift"]
+    assert plan(1).down == plan(4).down == M.DECODE_DOWN_TILES[M.DECODE_POINTER_DOWN_TILE]  # I = 768
+    assert plan(1, "qwen3-next-80b").down == M.DECODE_DOWN_TILES["exp-n32k256-w2-tma-st2"]  # I = 512
+    assert plan(4, "qwen3-next-80b").down == M.DECODE_DOWN_TILES["exp-n64k256-w2-tma-st2-shift"]
     assert plan(8, "qwen3-next-80b").down == M.DECODE_DOWN_TILES[M.DECODE_TOKEN_DOWN_TILE]
     # Not decode: no rows for the GPU, 4+ routes per expert, K not TMA-readable, more routes than one id vector.
     for cap in (NO_GPU, Capability(80), Capability(100)):

@@ -215,6 +215,7 @@ DECODE_DOWN_TILES = {
     "exp-n64k256-w2-tma-st2-shift": DecodeTile(64, 256, 16, num_warps=2, num_stages=2, use_dot=True, use_tma=True,
                                                shift_decode=True),
     "tok-n32k128-w1-st3-shift": DecodeTile(32, 128, 16, num_warps=1, num_stages=3, use_dot=True, shift_decode=True),
+    "exp-n64k256-w2-st2-shift": DecodeTile(64, 256, 16, num_warps=2, num_stages=2, use_dot=True, shift_decode=True),
 }
 # The largest T the table gives the decode plan.  With the run-17 tiles it was slower than the tiers at T = 64 on
 # two shapes (Qwen3-30B-A3B 0.86x, Qwen3-Next-80B 0.96x, device run 20); with the tiles below the layer through the
@@ -234,6 +235,13 @@ DECODE_LATE_MAX_ROUTES_PER_EXPERT = W4A4_MIN_TOKENS_PER_EXPERT
 DECODE_TOKEN_DOWN_MIN_T = 8
 DECODE_TOKEN_DOWN_MAX_I = 512
 DECODE_TOKEN_DOWN_TILE = "tok-n32k128-w1-st3-shift"
+# The expert-major down by pointer loads where I > DECODE_TMA_DOWN_MAX_I, at every decode T.  H200 run 35: the kernel
+# alone within 2 % of the rows' TMA tiles or faster at T = 1, 2, 4, 16 on Qwen3-30B-A3B, Qwen3-235B-A22B, DeepSeek-V3
+# (e.g. 9.7 / 12.5 / 24.3 / 53.0 µs against 9.9 / 13.7 / 24.9 / 52.2 on Qwen3-30B-A3B), and its ready launch costs the
+# host ~31 µs less per call (62 against 93 µs: the TMA tiles build and encode two descriptors per call).  At I = 512
+# (two K steps per route) TMA was 6-38 % faster at T = 2-16 (Qwen3-Next-80B), so the rows' TMA tiles stay there.
+DECODE_TMA_DOWN_MAX_I = 512
+DECODE_POINTER_DOWN_TILE = "exp-n64k256-w2-st2-shift"
 
 # (max T, gate_up tile, expert-major down tile, why); with ``deterministic`` the down tile's per-route rows are
 # summed in slot order; the token-major rule above overrides the down tile.
@@ -269,7 +277,11 @@ def decode_tier_plan(cap: Capability, num_tokens: int, *, hidden: int, intermedi
     token = num_tokens >= DECODE_TOKEN_DOWN_MIN_T and intermediate <= DECODE_TOKEN_DOWN_MAX_I
     kind = DecodeDown.TOKEN if token else DecodeDown.EXPERT
     gate_up = DECODE_GATE_UP_TILES[name]
-    down = DECODE_DOWN_TILES[DECODE_TOKEN_DOWN_TILE if token else down_name]
+    if token:
+        down_name = DECODE_TOKEN_DOWN_TILE
+    elif intermediate > DECODE_TMA_DOWN_MAX_I:
+        down_name = DECODE_POINTER_DOWN_TILE
+    down = DECODE_DOWN_TILES[down_name]
     tma = tma_ok(hidden), tma_ok(intermediate)
     gate_up = replace(gate_up, use_tma=gate_up.use_tma and tma[0])
     down = replace(down, use_tma=down.use_tma and tma[1])
