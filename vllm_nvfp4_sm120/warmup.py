@@ -218,7 +218,7 @@ def _bins(units: list[Case], jobs: int) -> list[list[Case]]:
 
 
 def _worker(spec: str) -> int:
-    """A child of :func:`compile_parallel`: run its sub-cases (JSON) on the GPU."""
+    """A child of :func:`compile_parallel`: run its sub-cases (JSON, each with its device)."""
     for d in json.loads(spec):
         exercise(Case(linears=[tuple(x) for x in d["linears"]], moe=[tuple(x) for x in d["moe"]], w4a4=d["w4a4"],
                       sizes=tuple(d["sizes"]), route=d["route"]), device=d.get("device", "cuda"))

@@ -244,7 +244,7 @@ DECODE_TMA_DOWN_MAX_I = 512
 DECODE_POINTER_DOWN_TILE = "exp-n64k256-w2-st2-shift"
 
 # (max T, gate_up tile, expert-major down tile, why); with ``deterministic`` the down tile's per-route rows are
-# summed in slot order; the token-major rule above overrides the down tile.
+# summed in slot order; the token-major and pointer-load rules above override the down tile.
 _H200_ROWS = (
     (1, "gu-n16k256-kw4-st3-shift", "exp-n32k256-w2-tma-st2",
      "H200 run 31: gate_up 12.0 / 11.9 / 72.1 us against the row below's 13.9 / 14.0 / 74.3 on Qwen3-30B-A3B, "
