@@ -455,7 +455,7 @@ def _acc_init(ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, 
 @triton.jit
 def _acc_finish(acc, USE_DOT: tl.constexpr, SHIFT: tl.constexpr, K_WARPS: tl.constexpr):
     """``[ROWS, BLOCK_T]`` sums of the accumulator (``SHIFT``: the shift decode's power of two restored, exact;
-    ``K_WARPS``: the slices added in slice order)."""
+    ``K_WARPS``: the slices added by one fixed reduction: the same bits on every run)."""
     if USE_DOT:
         out = acc
         if K_WARPS > 1:
