@@ -201,7 +201,8 @@ def _decode_plans():
     """Every decode gate_up tile and both down kernels, the expert-major one with and without TMA (the interpreter
     is slow: one case each; the kernels' own tests cover the rest)."""
     cases = {  # id: (T, H, I) as decode_tier_plan reads them
-        "t1-expert-ptr": (1, 4096, 4096), "t2-expert-tma": (2, 4096, 512), "t8-token": (8, 4096, 512), "t32-expert-tma": (32, 4096, 4096),
+        "t1-expert-ptr": (1, 4096, 4096), "t2-expert-tma": (2, 4096, 512), "t8-token": (8, 4096, 512),
+        "t32-expert-tma": (32, 4096, 4096),
         "t8-token-odd": (8, 4112, 496), "t4-expert-nontma": (4, 4112, 4112),
     }
     out = []
@@ -320,7 +321,7 @@ def test_dispatch_decode_rows():
                     p = plan(t, name, cap, w4a4)
                     assert (p.impl, p.kernel, p.block_m) == ("decode", "w4a16", 0), (cap, name, t, w4a4)
                     # gate_up by pointer loads (the narrow K step); the expert-major down by TMA at I <= 512 only.
-                    h, i = H200_SHAPES[name][:2]
+                    i = H200_SHAPES[name][1]
                     assert not p.gate_up.use_tma
                     assert p.down.use_tma == (p.decode_down == "expert" and i <= M.DECODE_TMA_DOWN_MAX_I)
                     assert p.gate_up.shift_decode == (t != 2)
@@ -331,7 +332,8 @@ def test_dispatch_decode_rows():
             assert plan(128, name, cap).impl != "decode"
     names = {t: next(n for n, tile in M.DECODE_GATE_UP_TILES.items() if tile == plan(t, "deepseek-v3").gate_up)
              for t in (1, 2, 4, 8, 32)}
-    assert names == {1: "gu-n16k256-kw4-st3-shift", 2: "gu-n16k128-w2-st3", 4: "gu-n32k128-w2-st3-shift", 8: "gu-n32k128-w2-st3-shift",
+    assert names == {1: "gu-n16k256-kw4-st3-shift", 2: "gu-n16k128-w2-st3", 4: "gu-n32k128-w2-st3-shift",
+                     8: "gu-n32k128-w2-st3-shift",
                      32: "gu-n32k128-w2-st3-shift"}
     assert all(plan(t, "deepseek-v3").decode_down == "expert" for t in (1, 4, 32))
     # Qwen3-30B-A3B at T = 32 (2 routes per expert) is the decode plan's; 4 routes per expert are the tiers'.

@@ -446,6 +446,15 @@ def test_gpu_split_k_gate_up(name, t, gate_name):
     assert torch.equal(a, _run(p, gate, dtile, kind, det))
 
 
+def _sweep_tiles(gate_name, down_name, h, i):
+    """``(gate_up tile, down kernel, deterministic, down tile)`` of two sweep candidates for banks with reduction sizes
+    ``h`` and ``i``: TMA off where the bank's K cannot take it."""
+    gate = SWEEP.GATE_UP[gate_name]
+    kind, det, dtile = SWEEP.DOWN[down_name]
+    return (replace(gate, use_tma=gate.use_tma and md.tma_ok(h)), kind, det,
+            replace(dtile, use_tma=dtile.use_tma and md.tma_ok(i)))
+
+
 KW_GATE_UP = [n for n, tile in SWEEP.GATE_UP.items() if tile.k_warps > 1]
 KW_DOWN = [n for n, (_, _, tile) in SWEEP.DOWN.items() if tile.k_warps > 1]
 
@@ -458,12 +467,7 @@ def test_gpu_k_warps(name, t, gate_name, down_name):
     # The batched-MMA K slices of both kernels (the PTX decodes and TMA, which the interpreter cannot run) on every
     # shape, the odd one's tails included (TMA off where K % 256 != 0).
     h, i, p, ref = _gpu_problem_and_ref(name, t)
-    gate = SWEEP.GATE_UP[gate_name]
-    kind, det, dtile = SWEEP.DOWN[down_name]
-    if gate.use_tma and not md.tma_ok(h):
-        gate = replace(gate, use_tma=False)
-    if dtile.use_tma and not md.tma_ok(i):
-        dtile = replace(dtile, use_tma=False)
+    gate, kind, det, dtile = _sweep_tiles(gate_name, down_name, h, i)
     assert_moe_close(_run(p, gate, dtile, kind, det), ref)
 
 
@@ -483,11 +487,6 @@ def _shift_problem(h, i, e, k, t):
     return (torch.randn(t, h, device="cuda", dtype=torch.bfloat16), w13, d13, w2, d2, tw, ti, None)
 
 
-def _shift_tiles(gate_name, down_name, h, i):
-    gate = SWEEP.GATE_UP[gate_name]
-    kind, det, dtile = SWEEP.DOWN[down_name]
-    return replace(gate, use_tma=gate.use_tma and md.tma_ok(h)), kind, det, replace(dtile, use_tma=dtile.use_tma
-                                                                                     and md.tma_ok(i))
 
 
 @pytest.mark.gpu
@@ -497,7 +496,7 @@ def _shift_tiles(gate_name, down_name, h, i):
 def test_gpu_shift_decode_tiles_on_unaligned_rows(shape, t, gate_name, down_name):
     h, i, e, k = shape
     p = _shift_problem(h, i, e, k, t)
-    gate, kind, det, dtile = _shift_tiles(gate_name, down_name, h, i)
+    gate, kind, det, dtile = _sweep_tiles(gate_name, down_name, h, i)
     assert_moe_close(_run(p, gate, dtile, kind, det), _ref(p))
 
 
@@ -519,7 +518,7 @@ def test_gpu_shift_decode_tiles_on_an_unaligned_bank_address():
     q = (x, shifted(w13), d13, shifted(w2), d2, tw, ti, None)
     for gate_name, down_name in (("gu-n32k128-w2-st3-shift", "tok-n32k128-w1-st3-shift"),
                                  ("gu-n16k256-kw4-st3-shift", "exp-n32k256-kw4-st3")):
-        gate, kind, det, dtile = _shift_tiles(gate_name, down_name, h, i)
+        gate, kind, det, dtile = _sweep_tiles(gate_name, down_name, h, i)
         ref = _ref(p)
         assert_moe_close(_run(p, gate, dtile, kind, det), ref)
         assert_moe_close(_run(q, gate, dtile, kind, det), ref)
