@@ -3,51 +3,30 @@ launcher with and without TMA, each timed alone on a CUDA GPU.
 
     source .carry/env.sh && python benchmarks/host_probe.py
 
-``bench host`` times whole calls next to a trivial Triton launch; this takes two of them apart (eager, tiny shapes,
-300 calls back to back per round, the host time before the final synchronize, median of 7 rounds).  The host's
-speed drifts within a run, so compare the rows of one run with each other, not with another run's.  Runs without
-vLLM.
+``bench host`` times whole calls next to a trivial Triton launch; this takes two of them apart, timed the way
+``bench host`` times its rows (eager, tiny shapes, ``bench_host._Rows``: interleaved rounds, the host time before the
+final synchronize, medians).  The host's speed drifts between runs, so compare the rows of one run with each other,
+not with another run's.  Runs without vLLM.
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 from dataclasses import replace
 
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vllm_nvfp4_sm120.bench import gpu_nvfp4  # noqa: E402
+from vllm_nvfp4_sm120.bench_host import _Rows, _trivial_12  # noqa: E402
 from vllm_nvfp4_sm120.dispatch import linear_call as lc  # noqa: E402
 from vllm_nvfp4_sm120.dispatch import ops  # noqa: E402, F401  (registers torch.ops.nvfp4_sm120.linear)
 from vllm_nvfp4_sm120.dispatch.moe import DECODE_DOWN_TILES  # noqa: E402
 from vllm_nvfp4_sm120.dispatch.policy import current_policy  # noqa: E402
 from vllm_nvfp4_sm120.kernels.moe_decode import down_expert_workspace, prepare_moe_decode_down_expert  # noqa: E402
-
-
-@triton.jit
-def _trivial_12(p0, p1, p2, p3, p4, p5, n0, n1, n2, n3, n4, n5, BLOCK: tl.constexpr):
-    pass
-
-
-def us(fn, calls: int = 300, rounds: int = 7) -> float:
-    for _ in range(30):
-        fn()
-    torch.cuda.synchronize()
-    r = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        r.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(r)
 
 
 def linear_rows(gen) -> dict:
@@ -107,8 +86,10 @@ def main() -> int:
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    rows = _Rows()
     for name, fn in {**linear_rows(gen), **down_rows(gen)}.items():
-        print(f"{name:58s} {us(fn):7.2f} us", flush=True)
+        rows.add(name, fn, count=False)
+    rows.measure()  # prints a line per row
     return 0
 
 
