@@ -1,5 +1,6 @@
-"""Where a call's host microseconds go: the pieces of the linear op's hot path, and the decode down kernel's ready
-launcher with and without TMA, each timed alone on a CUDA GPU.
+"""Where a call's host microseconds go: the pieces of the linear op's and the MoE op's hot paths, the ready
+kernels' direct C launch against Triton's Python launcher, and the decode down kernel's ready launcher with and
+without TMA, each timed alone on a CUDA GPU.
 
     source .carry/env.sh && python benchmarks/host_probe.py
 
@@ -21,11 +22,16 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vllm_nvfp4_sm120.bench import gpu_nvfp4  # noqa: E402
-from vllm_nvfp4_sm120.bench_host import _Rows, _trivial_12  # noqa: E402
+from vllm_nvfp4_sm120.bench_host import MOE_SHAPE, _Rows, _trivial_12  # noqa: E402
+from vllm_nvfp4_sm120.dispatch import moe_flow  # noqa: E402
+from vllm_nvfp4_sm120.dispatch import moe_ops  # noqa: E402, F401  (registers torch.ops.nvfp4_sm120.moe)
 from vllm_nvfp4_sm120.dispatch import linear_call as lc  # noqa: E402
 from vllm_nvfp4_sm120.dispatch import ops  # noqa: E402, F401  (registers torch.ops.nvfp4_sm120.linear)
 from vllm_nvfp4_sm120.dispatch.moe import DECODE_DOWN_TILES  # noqa: E402
 from vllm_nvfp4_sm120.dispatch.policy import current_policy  # noqa: E402
+from vllm_nvfp4_sm120.dispatch.registry import MoeReady, prepare_moe  # noqa: E402
+from vllm_nvfp4_sm120.kernels import launch  # noqa: E402
+from vllm_nvfp4_sm120.kernels.launch import ReadyKernel  # noqa: E402
 from vllm_nvfp4_sm120.kernels.moe_decode import down_expert_workspace, prepare_moe_decode_down_expert  # noqa: E402
 
 
@@ -55,6 +61,58 @@ def linear_rows(gen) -> dict:
         "  the output allocation": lambda: torch.empty((1, n), dtype=torch.bfloat16, device="cuda"),
         "  the scales' uint8 view": lambda: w.scales.view(torch.uint8),
     }
+
+
+def moe_rows(gen) -> dict:
+    """The ``moe`` op at T = 1 on ``bench host``'s MoE shape (the decode plan, W4A16) and its pieces: the op through
+    ``torch.ops``, its Python body, the entry's ready layer launcher with the ready kernels launched directly and
+    through Triton's Python launcher (``launch.DIRECT``), and the signature key."""
+    h, i, e, top_k = MOE_SHAPE
+    w13, w2 = gpu_nvfp4((e, 2 * i, h), gen), gpu_nvfp4((e, h, i), gen)
+    d13, d2 = torch.full((e,), 0.01, device="cuda"), torch.full((e,), 0.01, device="cuda")
+    x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
+    tw, ti = torch.softmax(torch.randn(1, e, device="cuda", generator=gen), -1).topk(top_k, -1)
+    tw, ti = tw.float().contiguous(), ti.to(torch.int32).contiguous()
+    out = torch.empty((1, h), device="cuda", dtype=torch.bfloat16)
+    args = (x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, None, None, None, "silu", False, out)
+    op = torch.ops.nvfp4_sm120.moe
+    op(*args)
+    op(*args)  # the second call builds the ready launcher
+    entry = next(v for v in moe_flow._CACHE.values() if v.ready is not None)
+    ready_args = (x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, None, None, None, out)
+    r = MoeReady(1, h, i, e, top_k, e, x.device, x.dtype, False, "silu", False)
+    launch.DIRECT = False
+    try:
+        python_launcher = prepare_moe(entry.plan, r)
+    finally:
+        launch.DIRECT = True
+    m = moe_flow._meta
+    return {
+        f"torch.ops.nvfp4_sm120.moe W4A16 T=1 ({entry.plan.impl}, 2 kernels)": lambda: op(*args),
+        "  its body (moe_flow.nvfp4_moe)": lambda: moe_flow.nvfp4_moe(*args[:9], out=out),
+        "  the entry's ready layer launcher, direct launches": lambda: entry.ready(*ready_args),
+        "  the same, through Triton's Python launcher": lambda: python_launcher(*ready_args),
+        "  the signature key": lambda: (*map(m, (x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti,
+                                                  None, None, None, out)), "silu", False, None),
+    }
+
+
+def launcher_rows() -> dict:
+    """The trivial 12-argument kernel (six tensors) as a ready kernel: direct C launch and Python launcher."""
+    bufs = [torch.empty(16, device="cuda") for _ in range(6)]
+    args = (*bufs, 1, 2, 3, 4, 5, 6)
+    rows = {}
+    for direct in (True, False):
+        launch.DIRECT = direct
+        try:
+            ready = ReadyKernel(_trivial_12, (1,), BLOCK=16)
+            ready(*args)  # remembers its variant
+        finally:
+            launch.DIRECT = True
+        assert (ready._variant.direct is not None) == direct
+        rows[f"trivial 12-argument ReadyKernel, {'direct C launch' if direct else 'Python launcher'}"] = (
+            lambda ready=ready: ready(*args))
+    return rows
 
 
 def down_rows(gen) -> dict:
@@ -87,7 +145,7 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     rows = _Rows()
-    for name, fn in {**linear_rows(gen), **down_rows(gen)}.items():
+    for name, fn in {**linear_rows(gen), **launcher_rows(), **moe_rows(gen), **down_rows(gen)}.items():
         rows.add(name, fn, count=False)
     rows.measure()  # prints a line per row
     return 0

@@ -3,8 +3,9 @@
 CPU: a real ``JITFunction`` whose JIT launch and compiled variant are fakes (they record their calls), so every
 decision is visible: a specialization change, a hook, another device or a Triton without the expected internals
 sends the call to the JIT path; the same specialization takes the fast path with the arguments in the kernel's
-order.  GPU (``-m gpu``): the fast path launches the same variant as the JIT path, bit for bit, also under CUDA
-graph capture, and a misaligned pointer falls back.
+order (tensors as their addresses where the launch is Triton's C function called directly).  GPU (``-m gpu``):
+the fast path launches the same variant as the JIT path, bit for bit, also under CUDA graph capture, and a
+misaligned pointer falls back.
 """
 
 import pytest
@@ -258,6 +259,89 @@ def test_jit_result_not_a_compiled_kernel_is_not_remembered(fake):
     assert len(fake.jit_calls) == 2 and ready._variant is None
 
 
+class FakeCudaLauncher:
+    """Triton's CUDA launcher as the fast path sees it: the C launch function and what it needs."""
+
+    def __init__(self, scratch=0, gsan=False):
+        self.global_scratch_size, self.profile_scratch_size, self.gsan_enabled = scratch, 0, gsan
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        self.arg_annotations, self.kernel_signature = "annotations", b"signature"
+        self.launches, self.calls = [], []
+
+    def launch(self, *args):
+        self.launches.append(args)
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+class CudaLike(torch.Tensor):
+    """A CPU tensor that says it is on the GPU (the direct launch reads only its address)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def _cuda_like_args():
+    x, y, *scalars = _args()
+    return (x.as_subclass(CudaLike), y.as_subclass(CudaLike), *scalars)
+
+
+@pytest.fixture
+def direct(fake, monkeypatch):
+    """The fake kernel with Triton's CUDA launcher in its compiled variants (no scratch: the direct launch)."""
+    launchers = []
+
+    class Compiled(FakeCompiled):
+        def __init__(self, tag):
+            super().__init__(tag)
+            self.run = FakeCudaLauncher(**fake.launcher_kwargs)
+            launchers.append(self.run)
+
+    monkeypatch.setattr(launch, "_CompiledKernel", Compiled)
+    fake.launcher_kwargs = {}
+    fake.run = lambda *args, grid, warmup, **kwargs: (fake.jit_calls.append((grid, args, kwargs)),
+                                                      Compiled(len(fake.jit_calls)))[1]
+    fake.launchers = launchers
+    return fake
+
+
+def test_direct_launch_passes_addresses(direct):
+    ready = ReadyKernel(direct, (3, 2), BLOCK=16)
+    args = _cuda_like_args()
+    ready(*args)
+    ready(*args)
+    assert len(direct.jit_calls) == 1
+    launcher = direct.launchers[0]
+    assert launcher.calls == [], "the C launch function, not the Python wrapper around it"
+    x, y, *scalars = args
+    # The grid, the stream, the function, cooperative / PDL, metadata, no launch metadata, hooks or scratch, the
+    # annotations and signature, then every parameter: the tensors as their addresses, the scalars, the fixed ones.
+    assert launcher.launches == [(3, 2, 1, 1000, "fn1", False, True, "meta1", None, None, None, None, None,
+                                  "annotations", b"signature", [x.data_ptr(), y.data_ptr(), *scalars, 16, False])]
+
+
+def test_direct_launch_cpu_tensor_takes_jit_path(direct):
+    ready = ReadyKernel(direct, (1,), BLOCK=16)
+    ready(*_cuda_like_args())
+    ready(*_args())  # a plain CPU tensor: an address the GPU cannot read; the JIT path raises Triton's error
+    assert len(direct.jit_calls) == 2
+    assert direct.launchers[0].launches == []
+
+
+@pytest.mark.parametrize("launcher", [dict(scratch=128), dict(gsan=True)])
+def test_launcher_with_scratch_or_sanitizer_is_called_whole(direct, launcher):
+    direct.launcher_kwargs = launcher
+    ready = ReadyKernel(direct, (1,), BLOCK=16)
+    args = _cuda_like_args()
+    ready(*args)
+    ready(*args)
+    assert len(direct.jit_calls) == 1
+    run = direct.launchers[0]
+    assert run.launches == [] and run.calls == [(1, 1, 1, 1000, "fn1", "meta1", None, None, None, *args, 16, False)]
+
+
 def test_wrong_arguments_reach_the_jit_errors(fake):
     ready = ReadyKernel(fake, (1,), BLOCK=16)
     ready(*_args())
@@ -315,6 +399,7 @@ def test_fast_path_equals_jit_path(dtype, n):
     outs = [torch.empty_like(x) for _ in range(3)]
     ready(x, y, outs[0], n, 7, 0.75)
     assert ready._variant is not None, "the fast path must be available on a GPU with Triton 3.8"
+    assert ready._variant.direct is not None, "and its direct launch (no scratch memory in this kernel)"
     jit = ready._launch
     ready._launch = None  # the next calls must not reach the JIT
     for out in outs[1:]:

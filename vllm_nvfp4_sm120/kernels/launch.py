@@ -18,6 +18,13 @@ launcher directly, for as long as it can tell that the JIT would pick the same v
 * the JIT's own state: the current device, no launch hooks (a profiler's), no pre-run or stage-inspection hooks,
   the same debug and instrumentation modes, the kernel's globals unchanged.  Otherwise the call takes the JIT path.
 
+The fast path hands the compiled variant its arguments the way the C launcher reads them.  Where the variant's
+launcher is Triton's CUDA one with no scratch memory and no sanitizer (the kernels here), it calls the C launch
+function directly (the Python wrapper around it allocates scratch space per call) and passes each tensor as the
+integer address it read anyway for the alignment check: for a tensor the launcher would call ``data_ptr()`` again
+and ask the driver whether the address is a device pointer (``cuPointerGetAttribute``), per tensor and call.  So
+the direct launch checks ``is_cuda`` itself (a CPU tensor takes the JIT path, which raises Triton's error).
+
 Anything unexpected about Triton (another version's internals, the interpreter, an autotuner around the kernel)
 means the JIT path on every call: slower, never different.  The stream is the current one, asked the way the JIT
 asks.  ``ENABLED = False`` turns the fast path off for ready kernels made afterwards (benchmarks compare the two).
@@ -38,6 +45,9 @@ except Exception:  # pragma: no cover - depends on the installed Triton
     _JITFunction = None
 
 ENABLED = True
+# False: variants remembered afterwards launch through Triton's Python launcher, tensors as tensors (benchmarks
+# compare the two).
+DIRECT = True
 # Launches ready kernels sent through the JIT path (first calls, fallbacks), for benchmarks' diagnostics.
 jit_launches = 0
 
@@ -76,30 +86,38 @@ def _kernel_params(kernel):
     return params
 
 
+def _direct_launch(run):
+    """``(launch, cooperative, pdl, annotations, signature)`` of Triton's CUDA launcher ``run`` when calling its C
+    launch function directly is what ``run(...)`` would do (no scratch memory, no sanitizer), else None."""
+    try:
+        if run.global_scratch_size or run.profile_scratch_size or run.gsan_enabled:
+            return None
+        return run.launch, run.launch_cooperative_grid, run.launch_pdl, run.arg_annotations, run.kernel_signature
+    except AttributeError:  # another backend's launcher, or another Triton's
+        return None
+
+
 class _Variant:
     """One compiled variant, its launcher and what the call it was remembered from looked like."""
 
-    __slots__ = ("run", "function", "metadata", "device", "state", "tensor_pos", "tensor_keys", "scalar_pos",
-                 "scalars", "scalar_types", "other_pos", "other_spec")
+    __slots__ = ("run", "direct", "function", "metadata", "device", "state", "tensor_pos", "tensor_keys",
+                 "scalar_pos", "scalars", "scalar_types", "other_pos", "other_spec")
 
     def __init__(self, ready: "ReadyKernel", compiled, device, state: tuple, args: tuple):
         import torch
 
         self.run = compiled.run  # the launcher (the JIT's launch loaded the binary)
+        self.direct = _direct_launch(self.run) if DIRECT else None
         self.function = compiled.function
         self.metadata = compiled.packed_metadata
         self.device, self.state = device, state
         self.tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         self.scalar_pos = tuple(i for i, a in enumerate(args) if type(a) in _SCALAR_TYPES)
         self.other_pos = tuple(i for i in range(len(args)) if i not in self.tensor_pos and i not in self.scalar_pos)
-        self.tensor_keys = _tensor_keys(args, self.tensor_pos)
+        self.tensor_keys = tuple((args[i].dtype, args[i].data_ptr() % 16 == 0) for i in self.tensor_pos)
         self.scalars = tuple([args[i] for i in self.scalar_pos])
         self.scalar_types = tuple(map(type, self.scalars))
         self.other_spec = ready.other_spec(args, self.other_pos)
-
-
-def _tensor_keys(args: tuple, positions: tuple) -> list:
-    return [(args[i].dtype, args[i].data_ptr() % 16 == 0) for i in positions]
 
 
 class ReadyKernel:
@@ -156,24 +174,46 @@ class ReadyKernel:
         v = self._variant
         if v is not None:
             st = self._state()
-            if st is not None and st[0] == v.device and st[1] == v.state and self._same_variant(v, args):
-                g0, g1, g2 = self._grid3
-                v.run(g0, g1, g2, st[1][2].get_current_stream(v.device), v.function, v.metadata, None, None, None,
-                      *args, *self._tail)
-                return
+            if st is not None and st[0] == v.device and st[1] == v.state:
+                kernel_args = self._kernel_args(v, args)
+                if kernel_args is not None:
+                    g0, g1, g2 = self._grid3
+                    stream = st[1][2].get_current_stream(v.device)
+                    if v.direct is not None:
+                        launch, cooperative, pdl, annotations, signature = v.direct
+                        launch(g0, g1, g2, stream, v.function, cooperative, pdl, v.metadata, None, None, None, None,
+                               None, annotations, signature, kernel_args)
+                    else:
+                        v.run(g0, g1, g2, stream, v.function, v.metadata, None, None, None, *kernel_args)
+                    return
         self._jit(args)
 
-    def _same_variant(self, v: _Variant, args: tuple) -> bool:
-        """Whether ``args`` look like the call ``v`` was remembered from (see the module docstring)."""
+    def _kernel_args(self, v: _Variant, args: tuple) -> list | None:
+        """Every parameter of the launch (``args``, then the fixed ones) when ``args`` look like the call ``v`` was
+        remembered from (see the module docstring), tensors as their addresses where the launch is direct; else
+        None (the JIT path decides)."""
         if len(args) != len(self._params):
-            return False
+            return None
+        out = list(args)
+        direct = v.direct is not None
         try:
+            for i, (dtype, aligned) in zip(v.tensor_pos, v.tensor_keys):
+                a = args[i]
+                ptr = a.data_ptr()
+                if a.dtype != dtype or (ptr % 16 == 0) != aligned:
+                    return None
+                if direct:  # the C launcher's own check, in Python: a CPU tensor takes the JIT path
+                    if not a.is_cuda:
+                        return None
+                    out[i] = ptr
             scalars = tuple([args[i] for i in v.scalar_pos])
-            return (_tensor_keys(args, v.tensor_pos) == v.tensor_keys and scalars == v.scalars
-                    and tuple(map(type, scalars)) == v.scalar_types
-                    and (not v.other_pos or self.other_spec(args, v.other_pos) == v.other_spec))
+            if (scalars != v.scalars or tuple(map(type, scalars)) != v.scalar_types
+                    or (v.other_pos and self.other_spec(args, v.other_pos) != v.other_spec)):
+                return None
         except Exception:  # e.g. not a tensor where the variant had one: the JIT path decides (and names it)
-            return False
+            return None
+        out.extend(self._tail)
+        return out
 
     def _jit(self, args: tuple):
         """Triton's path; remembers the variant it launched when the fast path can take it next time."""
