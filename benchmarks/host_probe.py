@@ -81,9 +81,10 @@ def moe_rows(gen) -> dict:
     entry = next(v for v in moe_flow._CACHE.values() if v.ready is not None)
     ready_args = (x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, None, None, None, out)
     r = MoeReady(1, h, i, e, top_k, e, x.device, x.dtype, False, "silu", False)
-    launch.DIRECT = False
+    launch.DIRECT = False  # read when a ready kernel remembers its variant: on its first call
     try:
         python_launcher = prepare_moe(entry.plan, r)
+        python_launcher(*ready_args)
     finally:
         launch.DIRECT = True
     m = moe_flow._meta
