@@ -395,7 +395,10 @@ def test_kernel_format_reload_matches_fresh_load(fmt, act, gen):
     assert {n: t.data_ptr() for n, t in [*layer.named_parameters(), *layer.named_buffers()]} == held
     now = dict([*layer.named_parameters(), *layer.named_buffers()])
     for name, t in [*fresh.named_parameters(), *fresh.named_buffers()]:
-        torch.testing.assert_close(now[name], t, rtol=0, atol=0, msg=name)
+        # Bytes, not values: a W4A16 checkpoint never fills vLLM's input-scale parameters (torch.empty), so they may
+        # hold NaN bit patterns, which a copy keeps and a value comparison calls unequal.
+        assert now[name].dtype == t.dtype and now[name].shape == t.shape, name
+        assert torch.equal(now[name].contiguous().view(torch.uint8), t.contiguous().view(torch.uint8)), name
     for t in (2, 32):  # weight-only below the W4A4 threshold, activations quantized above
         x = torch.randn(t, H, generator=gen).to(torch.bfloat16)
         tw, ti = routing(t, gen)
