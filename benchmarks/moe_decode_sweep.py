@@ -23,6 +23,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import replace
 
 import torch
 import triton
@@ -165,6 +166,13 @@ DOWN = {  # name: (kernel, deterministic, tile)
     "exp-n64k256-w2-st2-shift": ("expert", False, DecodeTile(64, 256, 16, num_warps=2, num_stages=2, use_dot=True,
                                                              shift_decode=True)),
 }
+# The table's down tiles as programmatic dependents of the gate_up kernel ("-pdl": routing and an L2 prefetch of the
+# program's weight rows while the gate_up kernel finishes).  Only a layer shows what they gain (--pairs): timed
+# alone, a down kernel has no gate_up kernel to overlap.
+for _name in ("exp-n32k256-w2-tma-st2", "exp-n32k256-w2-st2", "exp-n64k256-w2-tma-st2-shift",
+              "exp-n64k256-w2-st2-shift", "tok-n32k128-w1-st3-shift"):
+    _kind, _det, _tile = DOWN[_name]
+    DOWN[_name + "-pdl"] = (_kind, _det, replace(_tile, pdl=True))
 # What a run sweeps without --gate-up / --down (about ten kernel tiles: each compiles once per routing bucket, and
 # the compiles are most of the ~4 minutes); the others are there for a focused second run.
 DEFAULT_GATE_UP = ("gu-n16k256-w2-tma", "gu-n16k512-w2-tma", "gu-n8k256-w1-tma", "gu-n32k256-w4-tma",
@@ -269,6 +277,12 @@ def sweep(args) -> dict:
         gate_names = list(GATE_UP)
     if args.down == "all":
         down_names = list(DOWN)
+    pairs = [tuple(pair.split("+")) for pair in args.pairs.split(",")] if args.pairs else []
+    for pair in pairs:
+        if len(pair) != 2 or pair[0] not in GATE_UP or pair[1] not in DOWN:
+            raise SystemExit(f"--pairs: expected GATE_UP+DOWN names, got {'+'.join(pair)!r}")
+    if pairs and not args.gate_up and not args.down:  # only the pairs: no tile timed alone
+        gate_names, down_names = [], []
     rows = []
     for shape in args.shapes.split(","):
         h, i, e, k = (SHAPES | EXTRA_SHAPES)[shape]
@@ -280,9 +294,10 @@ def sweep(args) -> dict:
               f"({copies * e * expert_bytes / 1e9:.1f} GB)", flush=True)
         gates = {n: GATE_UP[n] for n in gate_names if candidate_ok(GATE_UP[n], h)}
         downs = {n: DOWN[n] for n in down_names if candidate_ok(DOWN[n][2], i)}
+        layers = [p for p in pairs if candidate_ok(GATE_UP[p[0]], h) and candidate_ok(DOWN[p[1]][2], i)]
         for t in [int(v) for v in args.tokens.split(",")]:
             rows.append(_point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_ref, NvFp4,
-                               nvfp4_moe))
+                               nvfp4_moe, layers))
             print(_fmt(rows[-1]), flush=True)
         del banks
         if device.type == "cuda":
@@ -291,8 +306,10 @@ def sweep(args) -> dict:
             "seconds": time.time() - t_start, "rows": rows}
 
 
-def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_ref, NvFp4, nvfp4_moe) -> dict:
-    """One (shape, T): check every candidate, time gate_up and down candidates alone, the best pair, today's path."""
+def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_ref, NvFp4, nvfp4_moe,
+           pairs=()) -> dict:
+    """One (shape, T): check every candidate, time gate_up and down candidates alone, the best pair, the given
+    ``pairs`` as layers, today's path."""
     copies = len(banks)
     routes = [_routing(t, e, k, gen, device) for _ in range(copies)]
     x = torch.randn(t, h, device=device, generator=gen).to(torch.bfloat16 if device.type == "cuda" else torch.float16)
@@ -303,13 +320,13 @@ def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_re
     ref = moe_ref(x, NvFp4(c13, s13), d13, NvFp4(c2, s2), d2, *routes[0])
     row = {"shape": shape, "H": h, "I": i, "E": e, "top_k": k, "T": t, "experts_touched": sum(touched) / copies,
            "floor_us": floor_us, "dram_read_tbs": clock.read_tbs, "copies": copies, "gate_up_us": {}, "down_us": {},
-           "errors": {}, "failed": []}
+           "errors": {}, "failed": [], "pairs_us": {}}
 
     def layer(gname, dname, c, out=None):
         (c13, s13, d13), (c2, s2, d2) = banks[c]
-        kind, det, dtile = downs[dname]
+        kind, det, dtile = DOWN[dname]
         tw, ti = routes[c]
-        return moe_decode(x, c13, s13, d13, c2, s2, d2, tw, ti, gate_up_tile=gates[gname], down_tile=dtile,
+        return moe_decode(x, c13, s13, d13, c2, s2, d2, tw, ti, gate_up_tile=GATE_UP[gname], down_tile=dtile,
                           down=kind, deterministic=det, out=out)
 
     def check(name, gname, dname) -> bool:
@@ -320,8 +337,14 @@ def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_re
             print(f"  FAIL {shape} T={t} {name}: max error {err:.3g} of max |ref|", flush=True)
         return ok
 
-    check_g = CHECK_GATE_UP if CHECK_GATE_UP in gates else next(iter(gates))
-    check_d = CHECK_DOWN if CHECK_DOWN in downs else next(iter(downs))
+    out = torch.empty_like(x)
+    for gname, dname in pairs:  # whole layers: what a programmatic dependent down kernel gains shows only here
+        name = f"{gname}+{dname}"
+        if check(name, gname, dname):
+            row["pairs_us"][name] = clock.seconds(
+                lambda: [layer(gname, dname, c, out) for c in range(copies)]) / copies * 1e6
+    check_g = CHECK_GATE_UP if CHECK_GATE_UP in gates else next(iter(gates), CHECK_GATE_UP)
+    check_d = CHECK_DOWN if CHECK_DOWN in downs else next(iter(downs), CHECK_DOWN)
     for gname, tile in gates.items():  # gate_up alone
         if check(gname, gname, check_d):
             def gate_calls(tile=tile):
@@ -330,7 +353,8 @@ def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_re
                     moe_decode_gate_up(x, c13, s13, d13, routes[c][1], tile=tile)
 
             row["gate_up_us"][gname] = clock.seconds(gate_calls) / copies * 1e6
-    inters = [moe_decode_gate_up(x, *banks[c][0], routes[c][1], tile=gates[check_g]) for c in range(copies)]
+    inters = ([moe_decode_gate_up(x, *banks[c][0], routes[c][1], tile=GATE_UP[check_g]) for c in range(copies)]
+              if downs else [])
     for dname, (kind, det, dtile) in downs.items():  # down alone
         if not check(dname, check_g, dname):
             continue
@@ -350,7 +374,6 @@ def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_re
                                            out=out)
 
         row["down_us"][dname] = clock.seconds(down_calls) / copies * 1e6
-    out = torch.empty_like(x)
     if row["gate_up_us"] and row["down_us"]:
         best_g = min(row["gate_up_us"], key=row["gate_up_us"].get)
         best_d = min(row["down_us"], key=row["down_us"].get)
@@ -381,8 +404,11 @@ def _fmt(r: dict) -> str:
     today = f"{r['today_us']:8.1f}" if "today_us" in r else "     n/a"
     speed = f"{r['speedup_vs_today']:5.2f}x" if "speedup_vs_today" in r else "   n/a"
     det = f"{r['best_deterministic_us']:8.1f}" if "best_deterministic_us" in r else "     n/a"
+    pairs = "".join(f"\n    {name}: {us:.1f} us ({r['floor_us'] / us:.2f} of floor)"
+                    for name, us in r.get("pairs_us", {}).items())
     return (f"{r['shape']:16} T={r['T']:3} experts {r['experts_touched']:6.1f} floor {r['floor_us']:7.1f} us | "
-            f"best {best} us ({frac} of floor) det {det} | today {today} us {speed} | {r.get('best', '-')}")
+            f"best {best} us ({frac} of floor) det {det} | today {today} us {speed} | {r.get('best', '-')}"
+            + pairs)
 
 
 def main(argv=None):
@@ -392,6 +418,8 @@ def main(argv=None):
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--gate-up", default="", help=f"'all' or names of {list(GATE_UP)} (default {DEFAULT_GATE_UP})")
     p.add_argument("--down", default="", help=f"'all' or names of {list(DOWN)} (default {DEFAULT_DOWN})")
+    p.add_argument("--pairs", default="", help="GATE_UP+DOWN names, comma-separated: each timed as a whole layer "
+                                               "(alone unless --gate-up / --down are given too)")
     p.add_argument("--min-bytes", type=float, default=4e8, help="bytes the bank copies of one graph must touch")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--no-baseline", action="store_true", help="skip today's path")

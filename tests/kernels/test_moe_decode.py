@@ -693,3 +693,19 @@ def test_sweep_script_runs(tmp_path):
     assert row["failed"] == [] and set(row["errors"]) == {"gu-n16k256-w2-tma", "tok-n16k256-w1",
                                                           "exp-n32k256-w2-tma-det"}
     assert row["best"] and row["best_us"] > 0 and row["experts_touched"] >= 2
+
+
+def test_sweep_script_times_pairs(tmp_path):
+    # --pairs alone: each pair checked and timed as a whole layer, no tile timed alone (a programmatic dependent
+    # down kernel shows its gain only after its gate_up kernel).
+    import json
+
+    SWEEP.main(["--device", DEVICE, "--shapes", "tiny", "--tokens", "1", "--pairs",
+                "gu-n16k128-w2-st3+exp-n32k256-w2-st2-pdl", "--min-bytes", "1", "--repeats", "2", "--no-baseline",
+                "--out", str(tmp_path)])
+    row = json.loads((tmp_path / "moe_decode.json").read_text())["rows"][0]
+    name = "gu-n16k128-w2-st3+exp-n32k256-w2-st2-pdl"
+    assert row["failed"] == [] and set(row["errors"]) == {name}
+    assert row["pairs_us"][name] > 0 and row["gate_up_us"] == {} and row["down_us"] == {}
+    with pytest.raises(SystemExit, match="--pairs"):
+        SWEEP.main(["--device", DEVICE, "--shapes", "tiny", "--pairs", "gu-n16k128-w2-st3", "--out", str(tmp_path)])
