@@ -8,6 +8,8 @@ the fast path launches the same variant as the JIT path, bit for bit, also under
 misaligned pointer falls back.
 """
 
+import copy
+
 import pytest
 import torch
 import triton
@@ -340,6 +342,82 @@ def test_launcher_with_scratch_or_sanitizer_is_called_whole(direct, launcher):
     assert len(direct.jit_calls) == 1
     run = direct.launchers[0]
     assert run.launches == [] and run.calls == [(1, 1, 1, 1000, "fn1", "meta1", None, None, None, *args, 16, False)]
+
+
+@pytest.mark.parametrize("fixed", [("scale",), ("n_dns", "scale"), ("n", "stride", "n_dns", "scale")])
+def test_fixed_runtime_scalars_are_in_every_launch(direct, fixed):
+    """Runtime scalars fixed when the ready kernel is made: the JIT gets them by name, the direct launch in the
+    kernel's order after the per-call tensors."""
+    x, y, *scalars = _cuda_like_args()
+    values = dict(zip(("n", "stride", "n_dns", "scale"), scalars))
+    per_call = [values[n] for n in ("n", "stride", "n_dns", "scale") if n not in fixed]
+    ready = ReadyKernel(direct, (2,), **{n: values[n] for n in fixed}, BLOCK=16)
+    ready(x, y, *per_call)
+    assert direct.jit_calls == [((2,), (x, y, *per_call), {**{n: values[n] for n in fixed}, "BLOCK": 16})]
+    x2, y2 = (torch.zeros(64, dtype=torch.float16).as_subclass(CudaLike) for _ in range(2))
+    ready(x2, y2, *per_call)
+    assert len(direct.jit_calls) == 1
+    assert direct.launchers[0].launches[-1][-1] == [x2.data_ptr(), y2.data_ptr(), *scalars, 16, False]
+
+
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "cpu", "not_a_tensor", "int_to_fixed_position"])
+def test_fixed_scalars_keep_the_tensor_checks(direct, change):
+    ready = ReadyKernel(direct, (1,), n=64, stride=32, n_dns=17, scale=0.5, BLOCK=16)
+    x, y = _cuda_like_args()[:2]
+    ready(x, y)
+    odd = {"misaligned": lambda: (torch.zeros(256, dtype=torch.float16)[1:].as_subclass(CudaLike), y),
+           "dtype": lambda: (x.to(torch.bfloat16).as_subclass(CudaLike), y),
+           "cpu": lambda: (torch.zeros(256, dtype=torch.float16), y),
+           "not_a_tensor": lambda: (x, 64),
+           "int_to_fixed_position": lambda: (x, y, 64)}[change]()
+    ready(*odd)
+    assert len(direct.jit_calls) == 2, "another specialization (or a wrong call): the JIT path"
+    assert direct.launchers[0].launches == []
+
+
+@pytest.mark.parametrize("second", ["same_object", "equal_tensor", "other_dtype", "misaligned"])
+def test_tensor_passed_twice(direct, second):
+    """A tensor passed again (a stand-in for an unused pointer) is checked once when it is the same object; any
+    other tensor there gets the full check."""
+    ready = ReadyKernel(direct, (1,), BLOCK=16)
+    x, y, *scalars = _cuda_like_args()
+    ready(x, x, *scalars)
+    other = {"same_object": lambda: x, "equal_tensor": lambda: y,
+             "other_dtype": lambda: y.to(torch.bfloat16).as_subclass(CudaLike),
+             "misaligned": lambda: torch.zeros(256, dtype=torch.float16)[1:].as_subclass(CudaLike)}[second]()
+    ready(x, other, *scalars)
+    fast = second in ("same_object", "equal_tensor")
+    assert len(direct.jit_calls) == (1 if fast else 2)
+    if fast:
+        assert direct.launchers[0].launches[-1][-1] == [x.data_ptr(), other.data_ptr(), *scalars, 16, False]
+
+
+@pytest.mark.parametrize("change", ["value_reassigned", "replaced_equal", "replaced_other", "deleted",
+                                    "list_mutated", "tuple_replaced"])
+def test_used_globals(fake, change):
+    """The kernel's globals as the JIT checks them: any change of value takes the JIT path (whose check raises);
+    an equal replacement does not."""
+    scope = {"C": tl.constexpr("ptx"), "L": [1, 2], "T": (1, "a")}
+    for name in scope:
+        fake.used_global_vals[(name, id(scope))] = (copy.deepcopy(scope[name]), scope)
+    ready = ReadyKernel(fake, (1,), BLOCK=16)
+    ready(*_args())
+    ready(*_args())
+    assert len(fake.jit_calls) == 1
+    if change == "value_reassigned":
+        scope["C"].value = "other ptx"
+    elif change == "replaced_equal":
+        scope["C"] = tl.constexpr("ptx")
+    elif change == "replaced_other":
+        scope["C"] = tl.constexpr("other ptx")
+    elif change == "deleted":
+        del scope["C"]
+    elif change == "list_mutated":
+        scope["L"].append(3)
+    elif change == "tuple_replaced":
+        scope["T"] = (1, "b")
+    ready(*_args())
+    assert len(fake.jit_calls) == (1 if change == "replaced_equal" else 2)
 
 
 def test_wrong_arguments_reach_the_jit_errors(fake):

@@ -604,22 +604,134 @@ def test_gpu_empty_batch():
         assert _run(p, gate, dtile, kind, det).shape == (0, h)
 
 
-def test_shift_decode_only_on_16_byte_code_rows():
+class _RecordedKernel:
+    """Stands for ReadyKernel in the ready launchers: records what it was made with and called with."""
+
+    def __init__(self, made, kernel, grid, **const):
+        self.kernel, self.grid, self.const, self.calls = kernel, grid, const, []
+        made.append(self)
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    from vllm_nvfp4_sm120.kernels import launch
+
+    made = []
+    monkeypatch.setattr(launch, "ReadyKernel", lambda *a, **kw: _RecordedKernel(made, *a, **kw))
+    return made
+
+
+def _misaligned(t):
+    """A tensor like ``t`` whose data starts one byte past a 16-byte boundary."""
+    buf = torch.zeros(t.numel() * t.element_size() + 16, dtype=torch.uint8)
+    off = (1 - buf.data_ptr()) % 16
+    return buf[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+
+
+def test_shift_decode_only_on_16_byte_code_rows(recorded):
     # K / 2 bytes per code row a multiple of 16: the shift decode; otherwise the table decode (md.shift_ok).
     assert [k for k in (80, 176, 336, 352, 512, 1408, 2048, 7168) if md.shift_ok(k)] == [352, 512, 1408, 2048, 7168]
-    made = []
-    gate = md._ShiftGate(lambda shift: made.append(shift) or ("shift" if shift else "table"), True)
+    e, h, i, t, k = 4, 512, 64, 1, 2
+    tile = replace(DOT, shift_decode=True)
+    codes = torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8)
+    sf, dec = torch.zeros(e, 2 * i, h // 16, dtype=torch.uint8), torch.ones(e)
+    x, ids = torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(t, k, dtype=torch.int32)
+    run = md.prepare_moe_decode_gate_up(t, h, i, e, k, e, torch.device("cpu"), tile=tile, activation="silu",
+                                        has_map=False, zero_numel=None)
+    run(x, codes, sf, dec, ids, ids)
+    run(x, _misaligned(codes), sf, dec, ids, ids)
+    run(x, codes, sf, dec, ids, ids)
+    assert [r.const["SHIFT_DECODE"] for r in recorded] == [True, False]
+    assert [len(r.calls) for r in recorded] == [2, 1], "aligned codes again: the shift decode's launch again"
+    unshifted = md.prepare_moe_decode_gate_up(t, 336, i, e, k, e, torch.device("cpu"), tile=tile,
+                                              activation="silu", has_map=False, zero_numel=None)
+    unshifted(torch.zeros(t, 336, dtype=torch.bfloat16), torch.zeros(e, 2 * i, 168, dtype=torch.uint8),
+              torch.zeros(e, 2 * i, 21, dtype=torch.uint8), dec, ids, ids)
+    assert recorded[-1].const["SHIFT_DECODE"] is False
 
-    class Codes:
-        def __init__(self, ptr):
-            self.ptr = ptr
 
-        def data_ptr(self):
-            return self.ptr
+_GATE_UP_INTS = ("S", "I", "K", "E", "GLOBAL_E", "top_k", "zero_numel", "zero_chunk", "stride_xt", "stride_we",
+                 "stride_wn", "stride_wse", "stride_wsn", "stride_om")
+_DOWN_INTS = ("S", "H", "K", "E", "GLOBAL_E", "top_k", "stride_am", "stride_we", "stride_wn", "stride_wse",
+              "stride_wsn", "stride_om")
 
-    assert gate(Codes(4096)) == "shift" and made == [True]
-    assert gate(Codes(4104)) == "table" and gate(Codes(4104)) == "table" and made == [True, False]
-    assert md._ShiftGate(lambda shift: shift, False)(Codes(4104)) is False
+
+@pytest.mark.parametrize("strided", ["x", "codes", "scales", "out"])
+def test_ready_gate_up_fixes_its_integers_per_stride(recorded, strided):
+    """Every integer of the ready gate_up launch is fixed when its ReadyKernel is made (the per-call arguments are
+    the tensors); a call with other strides gets a launch made for them, never the first one's."""
+    e, h, i, t, k, ge = 4, 256, 32, 1, 2, 6
+    codes = torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8)
+    sf, dec = torch.zeros(e, 2 * i, h // 16, dtype=torch.uint8), torch.ones(e)
+    x, ids = torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(t, k, dtype=torch.int32)
+    zero = torch.zeros(40)
+    run = md.prepare_moe_decode_gate_up(t, h, i, e, k, ge, torch.device("cpu"), tile=DOT, activation="silu",
+                                        has_map=False, zero_numel=zero.numel())
+    out = run(x, codes, sf, dec, ids, ids, None, zero)
+    (first,) = recorded
+    assert {n: first.const[n] for n in _GATE_UP_INTS} == dict(
+        S=t * k, I=i, K=h, E=e, GLOBAL_E=ge, top_k=k, zero_numel=40, zero_chunk=-(-40 // (min(t * k, e) * 2)),
+        stride_xt=h, stride_we=2 * i * h // 2, stride_wn=h // 2, stride_wse=2 * i * h // 16, stride_wsn=h // 16,
+        stride_om=i)
+    assert out.shape == (t * k, i)
+    want = (x, codes, sf, codes, sf, dec, ids, ids, out, zero, dec, dec)
+    assert len(first.calls[0]) == len(want) and all(a is b for a, b in zip(first.calls[0], want))
+    wide = {"x": torch.zeros(t, 2 * h, dtype=torch.bfloat16)[:, :h],
+            "codes": torch.zeros(e, 2 * i, h, dtype=torch.uint8)[:, :, :h // 2],
+            "scales": torch.zeros(e, 2 * i, h // 8, dtype=torch.uint8)[:, :, :h // 16],
+            "out": torch.zeros(t * k, 2 * i, dtype=torch.bfloat16)[:, :i]}[strided]
+    other = dict(x=x, codes=codes, scales=sf, out=None) | {strided: wide}
+    run(other["x"], other["codes"], other["scales"], dec, ids, ids, other["out"], zero)
+    assert len(recorded) == 2, "other strides: another launch"
+    changed = {n for n in _GATE_UP_INTS if recorded[1].const[n] != first.const[n]}
+    assert changed == {"x": {"stride_xt"}, "codes": {"stride_we", "stride_wn"}, "scales": {"stride_wse", "stride_wsn"},
+                       "out": {"stride_om"}}[strided]
+    run(x, codes, sf, dec, ids, ids, None, zero)
+    assert len(recorded) == 2 and len(first.calls) == 2, "the first strides again: the first launch"
+
+
+@pytest.mark.parametrize("kind", ["token", "expert", "expert-det"])
+def test_ready_down_fixes_its_integers_per_stride(recorded, kind):
+    e, h, i, t, k, ge = 4, 64, 32, 2, 2, 4
+    det = kind == "expert-det"
+    codes = torch.zeros(e, h, i // 2, dtype=torch.uint8)
+    sf, dec = torch.zeros(e, h, i // 16, dtype=torch.uint8), torch.ones(e)
+    inter, ids = torch.zeros(t * k, i, dtype=torch.bfloat16), torch.zeros(t, k, dtype=torch.int32)
+    tw = torch.ones(t, k)
+    dev = torch.device("cpu")
+    if kind == "token":
+        run = md.prepare_moe_decode_down_token(t, h, i, e, k, ge, dev, tile=DOT, has_map=False)
+        call = lambda inter, out: run(inter, codes, sf, dec, ids, ids, tw, out)  # noqa: E731
+    else:
+        ws = down_expert_workspace(t, k, h, DOT, det, dev)
+        run = md.prepare_moe_decode_down_expert(t, h, i, e, k, ge, dev, tile=DOT, has_map=False, deterministic=det)
+        call = lambda inter, out: run(inter, codes, sf, dec, ids, ids, tw, ws, out)  # noqa: E731
+    out = call(inter, None)
+    first = recorded[0]
+    assert {n: first.const[n] for n in _DOWN_INTS} == dict(
+        S=t * k, H=h, K=i, E=e, GLOBAL_E=ge, top_k=k, stride_am=i, stride_we=h * i // 2, stride_wn=i // 2,
+        stride_wse=h * i // 16, stride_wsn=i // 16, stride_om=h)
+    args = first.calls[0]
+    assert all(isinstance(a, torch.Tensor) for a in args) and args[-1] is out
+    if kind != "token":
+        assert args[9] is ws, "the sums: the workspace's address"
+        counts = args[10]
+        assert counts.dtype == torch.int32
+        assert counts.data_ptr() == ws.data_ptr() + (0 if det else t * h * 4)
+    if det:
+        summed = recorded[1]
+        assert {n: summed.const[n] for n in ("H", "S", "E", "GLOBAL_E", "top_k", "stride_dst")} == dict(
+            H=h, S=t * k, E=e, GLOBAL_E=ge, top_k=k, stride_dst=h)
+        assert summed.calls == [(ws, ids, ids, out)]
+    made = len(recorded)
+    call(torch.zeros(t * k, 2 * i, dtype=torch.bfloat16)[:, :i], torch.zeros(t, 2 * h, dtype=torch.bfloat16)[:, :h])
+    assert len(recorded) == made + (2 if det else 1)
+    assert (recorded[made].const["stride_am"], recorded[made].const["stride_om"]) == (2 * i, 2 * h)
+    if det:
+        assert recorded[-1].const["stride_dst"] == 2 * h
 
 
 def test_workspace_sizes():

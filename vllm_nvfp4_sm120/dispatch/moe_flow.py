@@ -65,8 +65,20 @@ def clear() -> None:
     _CACHE.clear()
 
 
-def _meta(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+def _selector_env():
+    """A function returning the selector environment's values (a key component), one per SELECTOR_ENV name.
+    ``os.environ.get`` encodes the name and decodes the value per call (~1 µs); ``os.environ`` keeps its values
+    in ``_data`` (bytes on POSIX), which every change through ``os.environ`` updates, so reading that dict is the
+    same lookup.  Elsewhere, or without it, ``os.environ.get``."""
+    env = os.environ
+    data, encode = getattr(env, "_data", None), getattr(env, "encodekey", None)
+    if os.name != "posix" or type(data) is not dict or encode is None:
+        return lambda: tuple(map(env.get, SELECTOR_ENV))
+    keys = tuple(map(encode, SELECTOR_ENV))
+    return lambda: tuple(map(data.get, keys))
+
+
+_env = _selector_env()
 
 
 def plan_for(x, w13_codes, w2_codes, topk_ids, *, w4a4: bool, expert_map=None) -> MoePlan:
@@ -95,9 +107,11 @@ def nvfp4_moe(
     ``TRITON_INTERPRET=1`` it runs the kernels in the interpreter).
     """
     try:
-        key = (*map(_meta, (x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
-                            a13_enc, a2_enc, expert_map, out)),
-               activation, deterministic, plan, policy.generation(), *map(os.environ.get, SELECTOR_ENV))
+        # Per tensor (shape, strides, dtype, device): one comprehension, not a function call per tensor.
+        key = (*[None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+                 for t in (x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
+                           a13_enc, a2_enc, expert_map, out)],
+               activation, deterministic, plan, policy.generation(), _env())
         entry = _CACHE.get(key)
     except (AttributeError, TypeError):  # not a tensor, or unhashable: no entry, the checks name the argument
         key = entry = None

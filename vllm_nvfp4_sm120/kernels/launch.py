@@ -16,7 +16,12 @@ launcher directly, for as long as it can tell that the JIT would pick the same v
   or compiles its variant; that one is remembered instead (a ready kernel serves one signature: its scalars do not
   change from call to call, so this costs nothing in the hot paths);
 * the JIT's own state: the current device, no launch hooks (a profiler's), no pre-run or stage-inspection hooks,
-  the same debug and instrumentation modes, the kernel's globals unchanged.  Otherwise the call takes the JIT path.
+  the same debug and instrumentation modes, the kernel's globals unchanged (:class:`_Globals`: what Triton
+  compares, by identity where an object cannot change in place).  Otherwise the call takes the JIT path.
+
+Runtime scalars a launcher knows when it makes the ready kernel (sizes, strides) belong in ``const`` too, as the
+trailing parameters they are in the kernels here: the same on every call, so the specialization Triton derived from
+them on the first call holds for every later one, and the per-call arguments (checked per call) are the tensors.
 
 The fast path hands the compiled variant its arguments the way the C launcher reads them.  Where the variant's
 launcher is Triton's CUDA one with no scratch memory and no sanitizer (the kernels here), it calls the C launch
@@ -32,6 +37,8 @@ asks.  ``ENABLED = False`` turns the fast path off for ready kernels made afterw
 
 from __future__ import annotations
 
+from operator import attrgetter, itemgetter
+
 from .common import interpreting
 
 try:  # Triton's internals this module relies on (Triton 3.8); without any of them, always the JIT path.
@@ -39,6 +46,7 @@ try:  # Triton's internals this module relies on (Triton 3.8); without any of th
     from triton._C.libtriton import native_specialize_impl as _specialize
     from triton.compiler.compiler import CompiledKernel as _CompiledKernel
     from triton.knobs import HookChain as _HookChain
+    from triton.language.core import constexpr as _constexpr
     from triton.runtime.driver import driver as _driver
     from triton.runtime.jit import JITFunction as _JITFunction
 except Exception:  # pragma: no cover - depends on the installed Triton
@@ -51,6 +59,7 @@ DIRECT = True
 # Launches ready kernels sent through the JIT path (first calls, fallbacks), for benchmarks' diagnostics.
 jit_launches = 0
 
+_VALUE = attrgetter("value")
 # Arguments compared by type and value.
 _SCALAR_TYPES = (int, float, bool, type(None))
 
@@ -97,10 +106,68 @@ def _direct_launch(run):
         return None
 
 
+_FROZEN = (str, int, float, bool, bytes, type(None))
+
+
+def _frozen(value) -> bool:
+    """Whether ``value`` cannot change in place (so the same object is the same value)."""
+    return type(value) in _FROZEN or (type(value) is tuple and all(map(_frozen, value)))
+
+
+class _Globals:
+    """The kernel's used globals (``used_global_vals``) as checked per call: Triton compares each one's current value
+    with its copy from the compilation, ``!=`` per global (for a ``tl.constexpr`` a Python call building another
+    constexpr: ~1 µs each, and the decode kernels use ~20).  Here a global whose current object equals that copy and
+    cannot change in place (a constexpr's ``value`` is checked as well: assignable) is checked by identity, a tuple
+    comparison per globals dict (equal objects pass there too, as in Triton's comparison); any other global is
+    compared as Triton does."""
+
+    __slots__ = ("source", "size", "groups", "holders", "values", "slow")
+
+    def __init__(self, used_global_vals: dict):
+        self.source, self.size = used_global_vals, len(used_global_vals)  # the JIT's dict, as snapshotted
+        groups, holders, values, slow = {}, [], [], []
+        for (name, _), (val, scope) in used_global_vals.items():
+            cur = scope.get(name, self)
+            if cur != val:
+                raise ValueError(name)  # the JIT path raises its error
+            if _frozen(cur):
+                pass
+            elif type(cur) is _constexpr and _frozen(cur.value):
+                holders.append(cur)
+                values.append(cur.value)
+            else:
+                slow.append((name, val, scope))
+                continue
+            groups.setdefault(id(scope), (scope, [], []))
+            groups[id(scope)][1].append(name)
+            groups[id(scope)][2].append(cur)
+        # itemgetter of one name returns the object, not a 1-tuple: a tuple of the names' objects either way
+        self.groups = tuple((scope, itemgetter(*names, names[0]), (*objs, objs[0]))
+                            for scope, names, objs in groups.values())
+        self.holders, self.values, self.slow = tuple(holders), tuple(values), tuple(slow)
+
+    def same(self, kernel) -> bool:
+        if kernel.used_global_vals is not self.source or len(self.source) != self.size:
+            return False
+        try:
+            for scope, get, objs in self.groups:
+                if get(scope) != objs:
+                    return False
+        except KeyError:  # a global deleted: the JIT path raises its error
+            return False
+        if self.holders and tuple(map(_VALUE, self.holders)) != self.values:
+            return False
+        for name, val, scope in self.slow:
+            if scope.get(name, self) != val:
+                return False
+        return True
+
+
 class _Variant:
     """One compiled variant, its launcher and what the call it was remembered from looked like."""
 
-    __slots__ = ("run", "direct", "function", "metadata", "device", "state", "tensor_pos", "tensor_keys",
+    __slots__ = ("run", "direct", "function", "metadata", "device", "state", "globals", "tensors", "aliases",
                  "scalar_pos", "scalars", "scalar_types", "other_pos", "other_spec")
 
     def __init__(self, ready: "ReadyKernel", compiled, device, state: tuple, args: tuple):
@@ -111,10 +178,23 @@ class _Variant:
         self.function = compiled.function
         self.metadata = compiled.packed_metadata
         self.device, self.state = device, state
-        self.tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        self.globals = _Globals(ready.kernel.used_global_vals)
+        tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        # Per tensor: its position, dtype (torch dtypes are singletons: compared by identity) and 16-byte alignment;
+        # a tensor passed again (a launcher's stand-in for an unused pointer) also with the position it was first at,
+        # checked there when it is the same object again.
+        first, tensors, aliases = {}, [], []
+        for i in tensor_pos:
+            a = args[i]
+            key = (i, a.dtype, a.data_ptr() % 16 == 0)
+            if id(a) in first:
+                aliases.append((first[id(a)], *key))
+            else:
+                first[id(a)] = i
+                tensors.append(key)
+        self.tensors, self.aliases = tuple(tensors), tuple(aliases)
         self.scalar_pos = tuple(i for i, a in enumerate(args) if type(a) in _SCALAR_TYPES)
-        self.other_pos = tuple(i for i in range(len(args)) if i not in self.tensor_pos and i not in self.scalar_pos)
-        self.tensor_keys = tuple((args[i].dtype, args[i].data_ptr() % 16 == 0) for i in self.tensor_pos)
+        self.other_pos = tuple(i for i in range(len(args)) if i not in tensor_pos and i not in self.scalar_pos)
         self.scalars = tuple([args[i] for i in self.scalar_pos])
         self.scalar_types = tuple(map(type, self.scalars))
         self.other_spec = ready.other_spec(args, self.other_pos)
@@ -122,7 +202,7 @@ class _Variant:
 
 class ReadyKernel:
     """``kernel[grid](*args, **const)`` for one fixed ``grid`` and ``const`` (the kernel's trailing parameters by
-    name, constexprs and fixed values, plus launch options such as ``num_warps``); ``args`` are its leading
+    name, constexprs and fixed runtime values, plus launch options such as ``num_warps``); ``args`` are its leading
     parameters, in order, per call.  Returns nothing (the kernels write their outputs)."""
 
     def __init__(self, kernel, grid, **const):
@@ -147,6 +227,7 @@ class ReadyKernel:
             else:
                 return
         self._tail = tuple(tail)
+        self._num_args = num_args
         self._grid3 = (self.grid + (1, 1))[:3]
         self._params = params[:num_args]
 
@@ -158,15 +239,12 @@ class ReadyKernel:
                             not params[i].do_not_specialize_on_alignment) for i in positions]
 
     def _state(self):
-        """What the JIT reads besides the arguments, ``(device, state)``; None when a hook asks for the JIT."""
+        """What the JIT reads besides the arguments and the globals, ``(device, state)``; None when a hook asks for
+        the JIT."""
         rt = _knobs.runtime
-        kernel = self.kernel
-        if (kernel.pre_run_hooks or rt.add_stages_inspection_hook is not None
+        if (self.kernel.pre_run_hooks or rt.add_stages_inspection_hook is not None
                 or not _hooks_empty(rt.launch_enter_hook) or not _hooks_empty(rt.launch_exit_hook)):
             return None
-        for (name, _), (val, globals_dict) in kernel.used_global_vals.items():
-            if globals_dict.get(name, self) != val:
-                return None  # the JIT path raises its error
         drv = _driver.active
         return drv.get_current_device(), (rt.debug, _knobs.compilation.instrumentation_mode, drv)
 
@@ -174,7 +252,7 @@ class ReadyKernel:
         v = self._variant
         if v is not None:
             st = self._state()
-            if st is not None and st[0] == v.device and st[1] == v.state:
+            if st is not None and st[0] == v.device and st[1] == v.state and v.globals.same(self.kernel):
                 kernel_args = self._kernel_args(v, args)
                 if kernel_args is not None:
                     g0, g1, g2 = self._grid3
@@ -192,27 +270,44 @@ class ReadyKernel:
         """Every parameter of the launch (``args``, then the fixed ones) when ``args`` look like the call ``v`` was
         remembered from (see the module docstring), tensors as their addresses where the launch is direct; else
         None (the JIT path decides)."""
-        if len(args) != len(self._params):
+        if len(args) != self._num_args:
             return None
-        out = list(args)
-        direct = v.direct is not None
+        out = [*args, *self._tail]
         try:
-            for i, (dtype, aligned) in zip(v.tensor_pos, v.tensor_keys):
-                a = args[i]
-                ptr = a.data_ptr()
-                if a.dtype != dtype or (ptr % 16 == 0) != aligned:
-                    return None
-                if direct:  # the C launcher's own check, in Python: a CPU tensor takes the JIT path
-                    if not a.is_cuda:
+            if v.direct is not None:
+                for i, dtype, aligned in v.tensors:
+                    a = args[i]
+                    ptr = a.data_ptr()
+                    # not is_cuda: the C launcher's own check, in Python (a CPU tensor takes the JIT path)
+                    if a.dtype is not dtype or (ptr % 16 == 0) is not aligned or not a.is_cuda:
                         return None
                     out[i] = ptr
-            scalars = tuple([args[i] for i in v.scalar_pos])
-            if (scalars != v.scalars or tuple(map(type, scalars)) != v.scalar_types
-                    or (v.other_pos and self.other_spec(args, v.other_pos) != v.other_spec)):
+                for j, i, dtype, aligned in v.aliases:
+                    a = args[i]
+                    if a is args[j]:
+                        out[i] = out[j]
+                        continue
+                    ptr = a.data_ptr()
+                    if a.dtype is not dtype or (ptr % 16 == 0) is not aligned or not a.is_cuda:
+                        return None
+                    out[i] = ptr
+            else:
+                for i, dtype, aligned in v.tensors:
+                    a = args[i]
+                    if a.dtype is not dtype or (a.data_ptr() % 16 == 0) is not aligned:
+                        return None
+                for j, i, dtype, aligned in v.aliases:
+                    a = args[i]
+                    if a is not args[j] and (a.dtype is not dtype or (a.data_ptr() % 16 == 0) is not aligned):
+                        return None
+            if v.scalar_pos:
+                scalars = tuple([args[i] for i in v.scalar_pos])
+                if scalars != v.scalars or tuple(map(type, scalars)) != v.scalar_types:
+                    return None
+            if v.other_pos and self.other_spec(args, v.other_pos) != v.other_spec:
                 return None
         except Exception:  # e.g. not a tensor where the variant had one: the JIT path decides (and names it)
             return None
-        out.extend(self._tail)
         return out
 
     def _jit(self, args: tuple):

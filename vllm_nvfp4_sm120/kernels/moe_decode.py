@@ -1039,25 +1039,29 @@ def shift_ok(k: int) -> bool:
     rows' stride (``K / 2`` bytes) and the bank's address divisible by 16.  Elsewhere the table decode runs (bytewise:
     right for any packing).  On the H200 the shift decode was wrong at K = 336 and 80 (rows of 168 and 40 bytes) and
     right at K = 352, 512, 1408 and every checkpoint shape; the ready launchers also check the address per call
-    (:class:`_ShiftGate`)."""
+    (:class:`_Launches`)."""
     return k % 32 == 0
 
 
-class _ShiftGate:
-    """A kernel's ready launch with the tile's shift decode where :func:`shift_ok` allows it, and the table
-    decode's (built on first use) for a call whose code bytes do not start 16-byte aligned."""
+class _Launches:
+    """A kernel's ready launches, one per key, made on first use: the strides the launch fixes (every integer of a
+    ready launch is a fixed argument of its :class:`ReadyKernel`, so the per-call arguments are the tensors only)
+    and, first, whether it runs the shift decode: the tile's where :func:`shift_ok` allows it, and the table decode
+    for a call whose code bytes do not start 16-byte aligned.  The launchers read the strides per call (the flow's
+    ready layer serves one signature, strides included, but the launchers do not rely on it)."""
 
-    def __init__(self, make, shift: bool):
-        self.make, self.shift = make, shift
-        self.main = make(shift)
-        self.table = None
+    __slots__ = ("make", "made")
 
-    def __call__(self, codes):
-        if self.shift and codes.data_ptr() % 16:
-            if self.table is None:
-                self.table = self.make(False)
-            return self.table
-        return self.main
+    def __init__(self, make):
+        self.make, self.made = make, {}
+
+    def __call__(self, key: tuple):
+        launch = self.made.get(key)
+        if launch is None:
+            if len(self.made) >= 16:  # strides that change from call to call: a bound, not a cache of them all
+                self.made.clear()
+            launch = self.made[key] = self.make(*key)
+        return launch
 
 
 def _descriptors(name: str, codes, scale_bytes, parts: int, tile: DecodeTile):
@@ -1238,7 +1242,8 @@ def moe_decode(
 # call them; the MoE flow keeps them per signature).  They check nothing: their inputs are what the validating
 # launchers pass (the scales as uint8 bytes, ``emap`` the map or any int32 tensor when ``has_map`` is false,
 # T > 0).  The TMA descriptors are made per call: they hold the bank's address, which differs between layers of
-# one signature (``_descriptors`` checks its alignment).
+# one signature (``_descriptors`` checks its alignment).  Every integer argument is fixed in the ready kernel, the
+# strides per launch of :class:`_Launches` (read per call: a call with other strides gets its own launch).
 # ---------------------------------------------------------------------------------------------------------------
 def down_expert_workspace_numel(t: int, top_k: int, h: int, tile: DecodeTile, deterministic: bool) -> int:
     """fp32 elements of :func:`down_expert_workspace`."""
@@ -1260,12 +1265,17 @@ def prepare_moe_decode_gate_up(t: int, h: int, i: int, e: int, top_k: int, globa
     has_zero = zero_numel is not None
     zero_chunk = -(-zero_numel // programs) if has_zero else 0
     split = tile.split_k > 1
-    launches = _ShiftGate(lambda shift: ReadyKernel(
-        _moe_decode_gate_up_kernel, grid, ACTIVATION=activation, HAS_MAP=has_map, BY_EXPERT=rows < s,
-        ZERO=has_zero, S_BLOCK=route_block(s), FAST_DECODE=_fast_decode(device), EVEN_K=h % tile.block_k == 0,
+    shift = tile.shift_decode and shift_ok(h)
+    tma = tile.use_tma
+    launches = _Launches(lambda shift, stride_x, stride_w, stride_sf, stride_o: ReadyKernel(
+        _moe_decode_gate_up_kernel, grid, S=s, I=i, K=h, E=e, GLOBAL_E=global_e, top_k=top_k,
+        zero_numel=zero_numel if has_zero else 0, zero_chunk=zero_chunk, stride_xt=stride_x,
+        stride_we=stride_w[0], stride_wn=stride_w[1], stride_wse=stride_sf[0], stride_wsn=stride_sf[1],
+        stride_om=stride_o, ACTIVATION=activation, HAS_MAP=has_map, BY_EXPERT=rows < s, ZERO=has_zero,
+        S_BLOCK=route_block(s), FAST_DECODE=_fast_decode(device), EVEN_K=h % tile.block_k == 0,
         GDC=_gdc_ok(device), SPLIT_K=tile.split_k, **(tile.kernel_kwargs() | {"SHIFT_DECODE": shift}),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
-    ), tile.shift_decode and shift_ok(h))
+    ))
 
     def run(x, w13_codes, w_sf, w13_dec, topk_ids, emap, out=None, zero=None):
         if out is None:
@@ -1274,11 +1284,11 @@ def prepare_moe_decode_gate_up(t: int, h: int, i: int, e: int, top_k: int, globa
         if split:  # per-split partial sums (each slice fully written where read) and zeroed arrival counts
             part = torch.empty(tile.split_k * s * 2 * i, dtype=torch.float32, device=x.device)
             cnt = torch.zeros(rows * grid[1], dtype=torch.int32, device=x.device)
-        w_desc, s_desc = _descriptors("w13", w13_codes, w_sf, 2, tile)
-        launch = launches(w13_codes)
+        w_desc, s_desc = _descriptors("w13", w13_codes, w_sf, 2, tile) if tma else (w13_codes, w_sf)
+        launch = launches((shift and w13_codes.data_ptr() % 16 == 0, x.stride(0), w13_codes.stride(), w_sf.stride(),
+                           out.stride(0)))
         launch(x, w13_codes, w_sf, w_desc, s_desc, w13_dec, topk_ids, emap, out, zero if has_zero else w13_dec,
-               part, cnt, s, i, h, e, global_e, top_k, zero_numel if has_zero else 0, zero_chunk,
-               x.stride(0), w13_codes.stride(0), w13_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0))
+               part, cnt)
         return out
 
     return run
@@ -1292,21 +1302,24 @@ def prepare_moe_decode_down_token(t: int, h: int, i: int, e: int, top_k: int, gl
     from .launch import ReadyKernel
 
     gdc = _gdc_ok(device)
-    launches = _ShiftGate(lambda shift: ReadyKernel(
-        _moe_decode_down_token_kernel, (t, triton.cdiv(h, tile.block_n)), HAS_MAP=has_map,
+    shift = tile.shift_decode and shift_ok(i)
+    tma = tile.use_tma
+    launches = _Launches(lambda shift, stride_a, stride_w, stride_sf, stride_o: ReadyKernel(
+        _moe_decode_down_token_kernel, (t, triton.cdiv(h, tile.block_n)), S=t * top_k, H=h, K=i, E=e,
+        GLOBAL_E=global_e, top_k=top_k, stride_am=stride_a, stride_we=stride_w[0], stride_wn=stride_w[1],
+        stride_wse=stride_sf[0], stride_wsn=stride_sf[1], stride_om=stride_o, HAS_MAP=has_map,
         TOPK_BLOCK=max(2, triton.next_power_of_2(top_k)), FAST_DECODE=_fast_decode(device),
         EVEN_K=i % tile.block_k == 0, PDL=tile.pdl and gdc, **(tile.kernel_kwargs() | {"SHIFT_DECODE": shift}),
         **tile.launch_kwargs(gdc),
-    ), tile.shift_decode and shift_ok(i))
+    ))
 
     def run(inter, w2_codes, w_sf, w2_dec, topk_ids, emap, topk_weights, out=None):
         if out is None:
             out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
-        w_desc, s_desc = _descriptors("w2", w2_codes, w_sf, 1, tile)
-        launch = launches(w2_codes)
-        launch(inter, w2_codes, w_sf, w_desc, s_desc, w2_dec, topk_ids, emap, topk_weights, out,
-               t * top_k, h, i, e, global_e, top_k,
-               inter.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0))
+        w_desc, s_desc = _descriptors("w2", w2_codes, w_sf, 1, tile) if tma else (w2_codes, w_sf)
+        launch = launches((shift and w2_codes.data_ptr() % 16 == 0, inter.stride(0), w2_codes.stride(), w_sf.stride(),
+                           out.stride(0)))
+        launch(inter, w2_codes, w_sf, w_desc, s_desc, w2_dec, topk_ids, emap, topk_weights, out)
         return out
 
     return run
@@ -1323,28 +1336,33 @@ def prepare_moe_decode_down_expert(t: int, h: int, i: int, e: int, top_k: int, g
     s = t * top_k
     rows = min(s, e)
     gdc = _gdc_ok(device)
-    launches = _ShiftGate(lambda shift: ReadyKernel(
-        _moe_decode_down_expert_kernel, (rows, triton.cdiv(h, tile.block_n)), HAS_MAP=has_map, BY_EXPERT=rows < s,
+    shift = tile.shift_decode and shift_ok(i)
+    tma = tile.use_tma
+    launches = _Launches(lambda shift, stride_a, stride_w, stride_sf, stride_o: ReadyKernel(
+        _moe_decode_down_expert_kernel, (rows, triton.cdiv(h, tile.block_n)), S=s, H=h, K=i, E=e,
+        GLOBAL_E=global_e, top_k=top_k, stride_am=stride_a, stride_we=stride_w[0], stride_wn=stride_w[1],
+        stride_wse=stride_sf[0], stride_wsn=stride_sf[1], stride_om=stride_o, HAS_MAP=has_map, BY_EXPERT=rows < s,
         DETERMINISTIC=deterministic, S_BLOCK=route_block(s), TOPK_BLOCK=max(2, triton.next_power_of_2(top_k)),
         FAST_DECODE=_fast_decode(device), EVEN_K=i % tile.block_k == 0, PDL=tile.pdl and gdc,
         **(tile.kernel_kwargs() | {"SHIFT_DECODE": shift}), **tile.launch_kwargs(gdc),
-    ), tile.shift_decode and shift_ok(i))
+    ))
     block_h = min(_SUM_BLOCK_H, triton.next_power_of_2(h))
-    sum_launch = (ReadyKernel(_moe_decode_sum_kernel, (t, triton.cdiv(h, block_h)), HAS_MAP=has_map,
-                              BLOCK_H=block_h, num_warps=4) if deterministic else None)
+    sums = _Launches(lambda stride_o: ReadyKernel(
+        _moe_decode_sum_kernel, (t, triton.cdiv(h, block_h)), H=h, S=s, E=e, GLOBAL_E=global_e, top_k=top_k,
+        stride_dst=stride_o, HAS_MAP=has_map, BLOCK_H=block_h, num_warps=4))
+    th = t * h
 
     def run(inter, w2_codes, w_sf, w2_dec, topk_ids, emap, topk_weights, workspace, out=None):
         if out is None:
             out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
-        ws = workspace if deterministic else workspace[: t * h]
-        counts = workspace.view(torch.int32) if deterministic else workspace[t * h:].view(torch.int32)
-        w_desc, s_desc = _descriptors("w2", w2_codes, w_sf, 1, tile)
-        launch = launches(w2_codes)
-        launch(inter, w2_codes, w_sf, w_desc, s_desc, w2_dec, topk_ids, emap, topk_weights, ws, counts, out,
-               s, h, i, e, global_e, top_k,
-               inter.stride(0), w2_codes.stride(0), w2_codes.stride(1), w_sf.stride(0), w_sf.stride(1), out.stride(0))
+        # Atomic mode: the sums are the workspace's first t * h elements (the kernel reads only its address there).
+        counts = workspace.view(torch.int32) if deterministic else workspace[th:].view(torch.int32)
+        w_desc, s_desc = _descriptors("w2", w2_codes, w_sf, 1, tile) if tma else (w2_codes, w_sf)
+        launch = launches((shift and w2_codes.data_ptr() % 16 == 0, inter.stride(0), w2_codes.stride(), w_sf.stride(),
+                           out.stride(0)))
+        launch(inter, w2_codes, w_sf, w_desc, s_desc, w2_dec, topk_ids, emap, topk_weights, workspace, counts, out)
         if deterministic:
-            sum_launch(ws, topk_ids, emap, out, h, s, e, global_e, top_k, out.stride(0))
+            sums((out.stride(0),))(workspace, topk_ids, emap, out)
         return out
 
     return run
