@@ -167,8 +167,8 @@ class _Globals:
 class _Variant:
     """One compiled variant, its launcher and what the call it was remembered from looked like."""
 
-    __slots__ = ("run", "direct", "function", "metadata", "device", "state", "globals", "tensors", "aliases",
-                 "scalar_pos", "scalars", "scalar_types", "other_pos", "other_spec")
+    __slots__ = ("run", "direct", "function", "metadata", "device", "state", "globals", "tensors", "scalar_pos",
+                 "scalars", "scalar_types", "other_pos", "other_spec")
 
     def __init__(self, ready: "ReadyKernel", compiled, device, state: tuple, args: tuple):
         import torch
@@ -180,19 +180,12 @@ class _Variant:
         self.device, self.state = device, state
         self.globals = _Globals(ready.kernel.used_global_vals)
         tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-        # Per tensor: its position, dtype (torch dtypes are singletons: compared by identity) and 16-byte alignment;
-        # a tensor passed again (a launcher's stand-in for an unused pointer) also with the position it was first at,
-        # checked there when it is the same object again.
-        first, tensors, aliases = {}, [], []
-        for i in tensor_pos:
-            a = args[i]
-            key = (i, a.dtype, a.data_ptr() % 16 == 0)
-            if id(a) in first:
-                aliases.append((first[id(a)], *key))
-            else:
-                first[id(a)] = i
-                tensors.append(key)
-        self.tensors, self.aliases = tuple(tensors), tuple(aliases)
+        # Per tensor: its position, dtype (torch dtypes are singletons: compared by identity), 16-byte alignment and
+        # the position the same object was first at (a launcher's stand-in for an unused pointer passes a tensor
+        # again): checked there when it is the same object again.
+        first = {}
+        self.tensors = tuple((i, args[i].dtype, args[i].data_ptr() % 16 == 0, first.setdefault(id(args[i]), i))
+                             for i in tensor_pos)
         self.scalar_pos = tuple(i for i, a in enumerate(args) if type(a) in _SCALAR_TYPES)
         self.other_pos = tuple(i for i in range(len(args)) if i not in tensor_pos and i not in self.scalar_pos)
         self.scalars = tuple([args[i] for i in self.scalar_pos])
@@ -274,32 +267,19 @@ class ReadyKernel:
             return None
         out = [*args, *self._tail]
         try:
-            if v.direct is not None:
-                for i, dtype, aligned in v.tensors:
-                    a = args[i]
-                    ptr = a.data_ptr()
-                    # not is_cuda: the C launcher's own check, in Python (a CPU tensor takes the JIT path)
-                    if a.dtype is not dtype or (ptr % 16 == 0) is not aligned or not a.is_cuda:
+            direct = v.direct is not None
+            for i, dtype, aligned, j in v.tensors:
+                a = args[i]
+                if j != i and a is args[j]:  # the same object as at j again: checked there
+                    out[i] = out[j]
+                    continue
+                ptr = a.data_ptr()
+                if a.dtype is not dtype or (ptr % 16 == 0) is not aligned:
+                    return None
+                if direct:  # the C launcher's own check, in Python: a CPU tensor takes the JIT path
+                    if not a.is_cuda:
                         return None
                     out[i] = ptr
-                for j, i, dtype, aligned in v.aliases:
-                    a = args[i]
-                    if a is args[j]:
-                        out[i] = out[j]
-                        continue
-                    ptr = a.data_ptr()
-                    if a.dtype is not dtype or (ptr % 16 == 0) is not aligned or not a.is_cuda:
-                        return None
-                    out[i] = ptr
-            else:
-                for i, dtype, aligned in v.tensors:
-                    a = args[i]
-                    if a.dtype is not dtype or (a.data_ptr() % 16 == 0) is not aligned:
-                        return None
-                for j, i, dtype, aligned in v.aliases:
-                    a = args[i]
-                    if a is not args[j] and (a.dtype is not dtype or (a.data_ptr() % 16 == 0) is not aligned):
-                        return None
             if v.scalar_pos:
                 scalars = tuple([args[i] for i in v.scalar_pos])
                 if scalars != v.scalars or tuple(map(type, scalars)) != v.scalar_types:

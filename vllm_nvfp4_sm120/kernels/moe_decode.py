@@ -1064,6 +1064,13 @@ class _Launches:
         return launch
 
 
+def _launch_key(shift: bool, a, codes, scale_bytes, out) -> tuple:
+    """The :class:`_Launches` key of a decode launch: whether the shift decode runs (the tile's, and the codes start
+    16-byte aligned), then the strides its ReadyKernel fixes (activation rows, the bank's codes and scales, out
+    rows)."""
+    return (shift and codes.data_ptr() % 16 == 0, a.stride(0), codes.stride(), scale_bytes.stride(), out.stride(0))
+
+
 def _descriptors(name: str, codes, scale_bytes, parts: int, tile: DecodeTile):
     """``(w_desc, s_desc)`` kernel arguments: TMA descriptors over the bank viewed as ``[E * parts, rows / parts,
     K/2]`` (gate_up: parts 2, the gate and the up halves) when the tile asks for TMA, else the tensors (unused)."""
@@ -1266,7 +1273,6 @@ def prepare_moe_decode_gate_up(t: int, h: int, i: int, e: int, top_k: int, globa
     zero_chunk = -(-zero_numel // programs) if has_zero else 0
     split = tile.split_k > 1
     shift = tile.shift_decode and shift_ok(h)
-    tma = tile.use_tma
     launches = _Launches(lambda shift, stride_x, stride_w, stride_sf, stride_o: ReadyKernel(
         _moe_decode_gate_up_kernel, grid, S=s, I=i, K=h, E=e, GLOBAL_E=global_e, top_k=top_k,
         zero_numel=zero_numel if has_zero else 0, zero_chunk=zero_chunk, stride_xt=stride_x,
@@ -1284,9 +1290,8 @@ def prepare_moe_decode_gate_up(t: int, h: int, i: int, e: int, top_k: int, globa
         if split:  # per-split partial sums (each slice fully written where read) and zeroed arrival counts
             part = torch.empty(tile.split_k * s * 2 * i, dtype=torch.float32, device=x.device)
             cnt = torch.zeros(rows * grid[1], dtype=torch.int32, device=x.device)
-        w_desc, s_desc = _descriptors("w13", w13_codes, w_sf, 2, tile) if tma else (w13_codes, w_sf)
-        launch = launches((shift and w13_codes.data_ptr() % 16 == 0, x.stride(0), w13_codes.stride(), w_sf.stride(),
-                           out.stride(0)))
+        w_desc, s_desc = _descriptors("w13", w13_codes, w_sf, 2, tile)
+        launch = launches(_launch_key(shift, x, w13_codes, w_sf, out))
         launch(x, w13_codes, w_sf, w_desc, s_desc, w13_dec, topk_ids, emap, out, zero if has_zero else w13_dec,
                part, cnt)
         return out
@@ -1303,7 +1308,6 @@ def prepare_moe_decode_down_token(t: int, h: int, i: int, e: int, top_k: int, gl
 
     gdc = _gdc_ok(device)
     shift = tile.shift_decode and shift_ok(i)
-    tma = tile.use_tma
     launches = _Launches(lambda shift, stride_a, stride_w, stride_sf, stride_o: ReadyKernel(
         _moe_decode_down_token_kernel, (t, triton.cdiv(h, tile.block_n)), S=t * top_k, H=h, K=i, E=e,
         GLOBAL_E=global_e, top_k=top_k, stride_am=stride_a, stride_we=stride_w[0], stride_wn=stride_w[1],
@@ -1316,9 +1320,8 @@ def prepare_moe_decode_down_token(t: int, h: int, i: int, e: int, top_k: int, gl
     def run(inter, w2_codes, w_sf, w2_dec, topk_ids, emap, topk_weights, out=None):
         if out is None:
             out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
-        w_desc, s_desc = _descriptors("w2", w2_codes, w_sf, 1, tile) if tma else (w2_codes, w_sf)
-        launch = launches((shift and w2_codes.data_ptr() % 16 == 0, inter.stride(0), w2_codes.stride(), w_sf.stride(),
-                           out.stride(0)))
+        w_desc, s_desc = _descriptors("w2", w2_codes, w_sf, 1, tile)
+        launch = launches(_launch_key(shift, inter, w2_codes, w_sf, out))
         launch(inter, w2_codes, w_sf, w_desc, s_desc, w2_dec, topk_ids, emap, topk_weights, out)
         return out
 
@@ -1337,7 +1340,6 @@ def prepare_moe_decode_down_expert(t: int, h: int, i: int, e: int, top_k: int, g
     rows = min(s, e)
     gdc = _gdc_ok(device)
     shift = tile.shift_decode and shift_ok(i)
-    tma = tile.use_tma
     launches = _Launches(lambda shift, stride_a, stride_w, stride_sf, stride_o: ReadyKernel(
         _moe_decode_down_expert_kernel, (rows, triton.cdiv(h, tile.block_n)), S=s, H=h, K=i, E=e,
         GLOBAL_E=global_e, top_k=top_k, stride_am=stride_a, stride_we=stride_w[0], stride_wn=stride_w[1],
@@ -1357,9 +1359,8 @@ def prepare_moe_decode_down_expert(t: int, h: int, i: int, e: int, top_k: int, g
             out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
         # Atomic mode: the sums are the workspace's first t * h elements (the kernel reads only its address there).
         counts = workspace.view(torch.int32) if deterministic else workspace[th:].view(torch.int32)
-        w_desc, s_desc = _descriptors("w2", w2_codes, w_sf, 1, tile) if tma else (w2_codes, w_sf)
-        launch = launches((shift and w2_codes.data_ptr() % 16 == 0, inter.stride(0), w2_codes.stride(), w_sf.stride(),
-                           out.stride(0)))
+        w_desc, s_desc = _descriptors("w2", w2_codes, w_sf, 1, tile)
+        launch = launches(_launch_key(shift, inter, w2_codes, w_sf, out))
         launch(inter, w2_codes, w_sf, w_desc, s_desc, w2_dec, topk_ids, emap, topk_weights, workspace, counts, out)
         if deterministic:
             sums((out.stride(0),))(workspace, topk_ids, emap, out)

@@ -209,31 +209,22 @@ def prepare_w4a16_dequant_mm(t: int, n: int, k: int, *, chunk_n: int, has_bias: 
                                                           triton.cdiv(k, DEQUANT_BLOCK_K)), **const)
                 for rows in {rows for _, rows in chunks}}
 
-    whole = chunks[0] if len(chunks) == 1 else None
-    launch_whole = launches[n] if whole is not None else None
+    whole = len(chunks) == 1  # the one chunk is the whole [n, k] weight: no row views to make
 
     def run(x, w_codes, scales_u8, w_dec_rows, bias, out):
         scratch = torch.empty((chunk_n, k), dtype=x.dtype, device=x.device)
         if has_bias:
             # cuBLAS adds it (beta = 1) to the fp32 accumulator before the single rounding, as the reference does.
             out.copy_(bias.expand(t, n))
-        if whole is not None:  # one chunk is the whole [n, k] weight: the same launches without the row views
-            launch_whole(w_codes, scales_u8, w_dec_rows, scratch, n, k, w_codes.stride(0), scales_u8.stride(0),
-                         scratch.stride(0))
-            if has_bias:
-                out.addmm_(x, scratch.t())
-            else:
-                torch.mm(x, scratch.t(), out=out)
-            return out
         for n0, rows in chunks:
-            w = scratch[:rows]
-            codes = w_codes[n0:n0 + rows]
-            sf = scales_u8[n0:n0 + rows]
-            launches[rows](codes, sf, w_dec_rows[n0:n0 + rows], w, rows, k, codes.stride(0), sf.stride(0),
-                           w.stride(0))
-            # A column slice of a row-major out is a valid cuBLAS matrix (leading dimension N): torch writes it in
-            # place, without a temporary (aten addmm_out_cuda_impl / prepare_matrix_for_cublas).
-            dst = out[:, n0:n0 + rows]
+            if whole:
+                w, codes, sf, dec, dst = scratch, w_codes, scales_u8, w_dec_rows, out
+            else:
+                # A column slice of a row-major out is a valid cuBLAS matrix (leading dimension N): torch writes it
+                # in place, without a temporary (aten addmm_out_cuda_impl / prepare_matrix_for_cublas).
+                w, codes, sf = scratch[:rows], w_codes[n0:n0 + rows], scales_u8[n0:n0 + rows]
+                dec, dst = w_dec_rows[n0:n0 + rows], out[:, n0:n0 + rows]
+            launches[rows](codes, sf, dec, w, rows, k, codes.stride(0), sf.stride(0), w.stride(0))
             if has_bias:
                 dst.addmm_(x, w.t())
             else:
