@@ -44,6 +44,7 @@ from vllm_nvfp4_sm120.dispatch.gemv_stream_plan import stream_plan, wave_ctas  #
 from vllm_nvfp4_sm120.format import linear_w4a16_ref, random_nvfp4, unit_values  # noqa: E402
 from vllm_nvfp4_sm120.kernels import gluon_gemv  # noqa: E402
 from vllm_nvfp4_sm120.kernels import gluon_gemv_stream as gs  # noqa: E402
+from vllm_nvfp4_sm120.peers import gemlite_split_k_ref  # noqa: E402
 
 TOKENS = (1, 2, 4, 8, 16)
 DEC = 0.0125  # one decode global for every row (gemlite takes one per layer)
@@ -206,6 +207,15 @@ def check(name, got, want, failures) -> bool:
         return False
 
 
+def gemlite_config() -> tuple[int, int]:
+    """``(SPLIT_K, BLOCK_SIZE_K)`` of gemlite's NVFP4 kernel (``gemm_splitK_MX_kernel``, what it runs for M < 64)
+    in its last call: what its output's rounding depends on."""
+    from gemlite.triton_kernels import gemm_splitK_kernels as gk
+
+    cfg = gk.gemm_splitK_MX_kernel.best_config.kwargs
+    return cfg["SPLIT_K"], cfg["BLOCK_SIZE_K"]
+
+
 def gemlite_factory(mode: str):
     """gemlite's layer builder (or a reason), with its autotuner set to ``mode`` before it is imported: gemlite
     reads the setting when its kernel modules load ("default" = its 2-config list, what set_autotune(False)
@@ -324,10 +334,21 @@ def sweep(args) -> dict:
                     gem_layers = built if not isinstance(built[0], str) else built[0]
                 if isinstance(gem_layers, str):
                     print(f"# gemlite: {gem_layers}", flush=True)
-                elif check(f"{model}/{layer} T={t} gemlite", gem_layers[0](x), want, failures):
-                    sec = time_graph(lambda: [g(x) for g in gem_layers], args.repeats) / copies
-                    rows.append(_row(model, layer, n, k, t, f"gemlite ({args.gemlite_autotune})", sec, wbytes, dram,
-                                     None))
+                else:
+                    # gemlite's split-K rounds each split's sum to bf16 and adds them with bf16 atomics: checked
+                    # against that arithmetic for the config its autotuner chose (peers.gemlite_split_k_ref),
+                    # its distance from our reference reported beside the time.
+                    got = gem_layers[0](x)
+                    split_k, block_k = gemlite_config()
+                    model_out = gemlite_split_k_ref(x, base.codes, base.scales, dec_rows, split_k=split_k,
+                                                    block_k=block_k)
+                    if check(f"{model}/{layer} T={t} gemlite vs its split-K model", got, model_out, failures):
+                        sec = time_graph(lambda: [g(x) for g in gem_layers], args.repeats) / copies
+                        row = _row(model, layer, n, k, t, f"gemlite ({args.gemlite_autotune}, split {split_k})",
+                                   sec, wbytes, dram, None)
+                        row["max_abs_diff_over_max_ref"] = float((got.float() - want.float()).abs().max()
+                                                                 / want.float().abs().max())
+                        rows.append(row)
         if selected("read-only", patterns):  # independent of T
             best = None
             for bm, split in ((32, 1), (16, max(1, 8 * sm * 16 // n)), (64, max(1, 4 * sm * 64 // n))):

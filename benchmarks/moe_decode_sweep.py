@@ -173,6 +173,14 @@ for _name in ("exp-n32k256-w2-tma-st2", "exp-n32k256-w2-st2", "exp-n64k256-w2-tm
               "exp-n64k256-w2-st2-shift", "tok-n32k128-w1-st3-shift"):
     _kind, _det, _tile = DOWN[_name]
     DOWN[_name + "-pdl"] = (_kind, _det, replace(_tile, pdl=True))
+# The table's expert-major down tiles with K split over programs ("-s<n>"; atomic mode, each split adds into the
+# same sums): at T = 1-2 the down grid holds ~4 warps per SM (8 slots x H / block_n programs) and each program's
+# chain of I / block_k K steps, not the bytes, sets the time (Nsight Compute, device run 41).
+for _name, _splits in (("exp-n64k256-w2-st2-shift", (2, 3, 4)), ("exp-n32k256-w2-tma-st2", (2,)),
+                       ("exp-n32k256-w2-st2", (3,))):
+    _kind, _det, _tile = DOWN[_name]
+    for _s in _splits:
+        DOWN[f"{_name}-s{_s}"] = (_kind, _det, replace(_tile, split_k=_s))
 # What a run sweeps without --gate-up / --down (about ten kernel tiles: each compiles once per routing bucket, and
 # the compiles are most of the ~4 minutes); the others are there for a focused second run.
 DEFAULT_GATE_UP = ("gu-n16k256-w2-tma", "gu-n16k512-w2-tma", "gu-n8k256-w1-tma", "gu-n32k256-w4-tma",
@@ -287,7 +295,7 @@ def sweep(args) -> dict:
     for shape in args.shapes.split(","):
         h, i, e, k = (SHAPES | EXTRA_SHAPES)[shape]
         expert_bytes = 2 * i * h * 9 // 16 + h * i * 9 // 16  # codes (1/2 byte) + scales (1/16 byte) per weight
-        copies = max(2, min(16, math.ceil(args.min_bytes / (k * expert_bytes))))
+        copies = args.copies or max(2, min(16, math.ceil(args.min_bytes / (k * expert_bytes))))
         gen = torch.Generator(device=device).manual_seed(0)
         banks = [(_bank(e, 2 * i, h, gen, device), _bank(e, h, i, gen, device)) for _ in range(copies)]
         print(f"# {shape}: H={h} I={i} E={e} top_k={k}, {copies} bank copies "
@@ -421,6 +429,9 @@ def main(argv=None):
     p.add_argument("--pairs", default="", help="GATE_UP+DOWN names, comma-separated: each timed as a whole layer "
                                                "(alone unless --gate-up / --down are given too)")
     p.add_argument("--min-bytes", type=float, default=4e8, help="bytes the bank copies of one graph must touch")
+    p.add_argument("--copies", type=int, default=0,
+                   help="bank copies (default: by --min-bytes); 1 keeps the touched experts in L2 across replays "
+                        "where they fit: the kernels' time without DRAM (a diagnostic, not the floor's measurement)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--no-baseline", action="store_true", help="skip today's path")
     p.add_argument("--list", action="store_true", help="print the candidates and exit")

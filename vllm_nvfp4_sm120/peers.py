@@ -1,14 +1,34 @@
 """Peer kernels timed side by side with ours in the benchmarks.  Never a dependency: each factory returns a
 callable ``x -> out`` when the peer is importable and takes the layer, else a one-line reason to print.
 
-gemlite (``gemlite.helper.A16W4_NVFP``, weight-only NVFP4): built from the checkpoint's own tensors, no repack on
-our side.  What its source (0.6.x) does with them, and so what we pass:
-- ``weight_packed``: our codes ``[N, K/2]`` uint8 as they are (it reads element 2i from the low nibble, as we do;
-  ``GemLiteLinearTriton.pack(..., packed=True)`` only takes a transposed view);
-- ``scales``: our linear e4m3 block scales ``[N, K/16]`` (``uint8`` is viewed as ``float8_e4m3fn``);
-- ``meta_scale``: the **encode** global (``W ~ W_q * scale / meta_scale``; it stores ``1 / meta_scale`` and
-  multiplies the accumulator by it), i.e. ``GlobalScale.enc``.  One global per layer: a fused layer whose parts
-  have different globals cannot be expressed, and the factory says so.
+gemlite (``gemlite.helper.A16W4_NVFP``, weight-only NVFP4) is built from the checkpoint's own tensors, no repack:
+its NVFP4 layout is ours.  What its source (0.6.0.post2) does with them, and so what we pass:
+
+- ``weight_packed``: our codes ``[N, K/2]`` uint8 as they are.  ``GemLiteLinearTriton.pack(..., packed=True)``
+  only views them as ``[K/2, N]`` (``.t()``, not made contiguous for MX types; the unpacked route packs element
+  ``2i`` into the low nibble of byte ``i`` and ends in the same ``[K/2, N]`` view), and the kernel hands that tile
+  to ``tl.dot_scaled`` as ``e2m1`` packed along K, first element in the low bits: our nibble order and code table.
+  The layer keeps a view of our codes, not a copy.
+- ``scales``: our linear (unswizzled) e4m3 block scales ``[N, K/16]``; ``uint8`` is viewed as ``float8_e4m3fn``.
+  It stores them K-major (``[K/16, N]`` contiguous, then a ``[N, K/16]`` view: what ``dot_scaled`` takes for the
+  rhs), as e4m3, group 16.
+- ``meta_scale``: the **encode** global (``W = W_q * scale / meta_scale``): the helper stores ``1 / meta_scale``
+  and the kernel multiplies the fp32 accumulator by it.  We pass ``1 / dec`` in float64 so that the stored
+  fp32 value is our decode global to the bit.  One global per layer: a fused layer whose parts have different
+  globals cannot be expressed, and the factory says so.
+
+Its output is **not** our reference's to the last bit, and the difference is its reduction, not the weight: for
+NVFP4 it always runs ``gemm_splitK_MX_kernel`` (``get_matmul_type``: ``GEMM_SPLITK`` for M < 64, also at M = 1,
+``GEMM`` above; its GEMV MX kernel is never picked, and would be wrong for NVFP4 if forced: its code table is
+doubled for the e8m0 scale's ``* 0.5``, which e4m3 scales do not get, and it ignores the global).  With
+``SPLIT_K > 1`` (half of its "default" configs, most of its "fast" ones) each K-split rounds its partial sum to
+the output dtype and ``tl.atomic_add``s it into a bf16 output (``gpu_supports_bfloat16_atomicadd`` on sm_90+).
+Output elements that are small next to the partials (sums that cancel) then differ from the once-rounded
+reference by many times their own size: an elementwise check with a 1-2 % rtol and a tiny atol fails at real
+shapes (greatest relative differences of 2 to 150 at T = 1 and 16) while every column of the weight comes out
+bit-exact.  :func:`gemlite_split_k_ref` is that arithmetic, to check gemlite against
+(``benchmarks/gemlite_check.py``); with ``SPLIT_K = 1`` it is :func:`~.format.linear_w4a16_ref` up to fp32
+summation order.
 """
 
 from __future__ import annotations
@@ -17,8 +37,9 @@ from collections.abc import Callable
 
 import torch
 
-from .format.checks import check_tensor
-from .format.scales import GlobalScale
+from .format.checks import ACT_DTYPES, check_tensor
+from .format.reference import unit_values
+from .format.scales import GlobalScale, per_row_decode
 
 
 def _import_gemlite():
@@ -50,6 +71,34 @@ def gemlite_nvfp4_linear(codes: torch.Tensor, scales: torch.Tensor, weight_gs: G
     if reason:
         return reason
     helper = a16w4_nvfp(device=codes.device, dtype=dtype)
-    layer = helper.from_packed_weights(codes, scales=scales, meta_scale=weight_gs.enc.to(codes.device),
-                                       bias=bias)
+    # gemlite stores 1 / meta_scale in fp32: the float64 reciprocal of our decode global inverts back to it exactly
+    # (the fp32 encode global need not).
+    meta_scale = 1.0 / weight_gs.dec.to(device=codes.device, dtype=torch.float64)
+    layer = helper.from_packed_weights(codes, scales=scales, meta_scale=meta_scale, bias=bias)
     return layer
+
+
+def gemlite_split_k_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                        weight_dec: torch.Tensor | float, *, split_k: int, block_k: int,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What gemlite's ``gemm_splitK`` NVFP4 kernel returns for our weight, rounding included.
+
+    Split ``s`` of ``split_k`` sums the ``block_k``-wide K blocks ``b`` with ``b % split_k == s`` in fp32 (products
+    of the exact weight), multiplies by the global, rounds to ``x.dtype`` and adds into a zeroed ``x.dtype`` output,
+    each add rounding again (its ``tl.atomic_add``, here in split order; the GPU's order varies, which matters only
+    for ``split_k > 2``); ``bias`` is added last in ``x.dtype``.  Without a bias, ``split_k = 1`` is
+    :func:`~.format.linear_w4a16_ref` up to fp32 summation order.
+    """
+    check_tensor("x", x, dtype=ACT_DTYPES, ndim=2)
+    if split_k < 1 or block_k < 1:
+        raise ValueError(f"split_k, block_k: expected >= 1, got {split_k}, {block_k}")
+    w = unit_values(codes, scales)
+    dec = per_row_decode(weight_dec, None, w.shape[0]).to(x.device)
+    split_of = torch.arange(w.shape[1], device=x.device) // block_k % split_k
+    out = torch.zeros(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    for s in range(split_k):
+        part = (x.to(torch.float32) * (split_of == s)) @ w.t() * dec
+        out = (out.to(torch.float32) + part.to(x.dtype).to(torch.float32)).to(x.dtype)
+    if bias is not None:
+        out = out + bias.to(x.dtype)
+    return out

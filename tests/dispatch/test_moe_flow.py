@@ -275,6 +275,19 @@ def test_decode_plan_with_split_k_gate_up(deterministic, gen):
     run_case(plan, 3, 2, gen, e=8, h=112, i=96, deterministic=deterministic)
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+def test_decode_plan_with_split_k_down(deterministic, gen):
+    # A split-K expert-major down tile: atomic mode runs it as given; deterministic mode (and batch invariance) runs
+    # the per-route rows with the whole K in one program (the flow drops the split), bit-identical run to run.
+    plan = decode_tier_plan(SM90, 1, hidden=112, intermediate=4112)
+    assert plan.decode_down == "expert"
+    plan = replace(plan, down=replace(plan.down, block_k=64, split_k=3))  # I = 176: 3 K tiles, one a split
+    a = run_case(plan, 3, 2, torch.Generator().manual_seed(5), e=8, h=112, i=176, deterministic=deterministic)
+    if deterministic:
+        b = run_case(plan, 3, 2, torch.Generator().manual_seed(5), e=8, h=112, i=176, deterministic=True)
+        assert torch.equal(a, b)
+
+
 def test_decode_strided_routing(gen):
     plan = decode_tier_plan(SM90, 1, hidden=112, intermediate=96)
     w13, d13, w2, d2 = make_layer(8, 112, 96, gen)

@@ -57,6 +57,11 @@ DOT_TMA = DecodeTile(16, 256, 16, num_warps=4, num_stages=2, use_dot=True, use_t
 SPLIT2 = DecodeTile(16, 32, 16, num_warps=4, num_stages=2, use_dot=True, split_k=2)
 SPLIT4_FMA = DecodeTile(16, 32, 1, num_warps=4, num_stages=2, use_dot=False, split_k=4)
 SPLIT2_TMA = DecodeTile(16, 256, 16, num_warps=4, num_stages=2, use_dot=True, use_tma=True, split_k=2)
+# Split-K expert-major down (atomic mode): I = 96 / 176 in 32-wide tiles = 3 / 6 tiles over 2, 3 or 4 splits (an
+# empty split at 4 x 1 of 3, a partial last tile at 176).
+DOWN_SPLIT2 = DecodeTile(16, 32, 16, num_warps=4, num_stages=2, use_dot=True, split_k=2)
+DOWN_SPLIT3 = DecodeTile(16, 32, 16, num_warps=4, num_stages=2, use_dot=True, split_k=3)
+DOWN_SPLIT4_FMA = DecodeTile(16, 32, 1, num_warps=4, num_stages=2, use_dot=False, split_k=4)
 # Warps over K: 2 slices of 32 (K = 80 / 112: the second slice of the last step partly or wholly past K), 4 of 32.
 KW2 = DecodeTile(16, 64, 16, num_warps=2, num_stages=2, use_dot=True, k_warps=2)
 KW4 = DecodeTile(16, 128, 16, num_warps=4, num_stages=2, use_dot=True, k_warps=4)
@@ -129,13 +134,19 @@ CASES = [
     (5, 8, 2, 112, 96, "silu", KW2, "expert", True, KW4, {}),
     (20, 8, 1, 80, 96, "silu", KW4, "expert", False, KW4, {"skewed": True}),  # 2 chunks per program
     (3, 8, 2, 256, 256, "silu", KW2_TMA, "expert", False, KW2_TMA, {}),
+    (1, 8, 2, 80, 96, "silu", DOT, "expert", False, DOWN_SPLIT2, {}),
+    (5, 8, 2, 112, 176, "gelu_tanh", DOT, "expert", False, DOWN_SPLIT3, {"with_map": True}),  # by expert
+    (3, 60, 4, 80, 96, "silu", SPLIT2, "expert", False, DOWN_SPLIT4_FMA, {}),  # one split has no K tile
+    (20, 8, 1, 80, 176, "silu", DOT, "expert", False, DOWN_SPLIT3, {"skewed": True}),  # 2 chunks per program
+    (3, 8, 2, 256, 512, "silu", DOT_TMA, "expert", False, replace(DOT_TMA, split_k=2), {}),
 ]
 
 
 def _case_id(c):
     t, e, k, h, i, act, gt, down, det, dt, opts = c
     kind = ("tma" if gt.use_tma else "dot" if gt.use_dot else f"fma{gt.block_t}") + (
-        f"-split{gt.split_k}" if gt.split_k > 1 else "") + (f"-kw{gt.k_warps}" if gt.k_warps > 1 else "")
+        f"-split{gt.split_k}" if gt.split_k > 1 else "") + (f"-kw{gt.k_warps}" if gt.k_warps > 1 else "") + (
+        f"-downsplit{dt.split_k}" if dt.split_k > 1 else "")
     extra = "-".join(f"{n}" for n, v in opts.items() if v is True) + ("-i64" if "ids_dtype" in opts else "")
     return f"T{t}-E{e}-k{k}-H{h}-I{i}-{act}-{kind}-{down}{'-det' if det else ''}{'-' + extra if extra else ''}"
 
@@ -213,6 +224,11 @@ def _bad_input_cases():
         ("down", lambda: moe_decode(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti,
                                     gate_up_tile=DOT, down_tile=DOT, down="sum")),
         ("w13_codes", lambda: gate(x, w13.codes, w13.scales, d13, ti, tile=DOT_TMA)),  # TMA needs K % 256 == 0
+        # K splits add into the atomic sums: neither the token-major nor the deterministic down has them.
+        ("tile: split_k", lambda: tok(inter, w2.codes, w2.scales, d2, ti, tw, tile=DOWN_SPLIT2)),
+        ("tile: split_k", lambda: moe_decode_down_expert(inter, w2.codes, w2.scales, d2, ti, tw,
+                                                         torch.zeros(4 * 80, device=x.device), tile=DOWN_SPLIT2,
+                                                         deterministic=True)),
     ]
 
 
@@ -233,10 +249,12 @@ def test_too_many_routes():
 
 
 @pytest.mark.parametrize("kwargs", [dict(block_n=24), dict(block_k=16), dict(block_t=8), dict(num_stages=0),
+                                    dict(split_k=0), dict(split_k=9),
                                     dict(use_tma=True), dict(k_warps=4), dict(k_warps=3, num_warps=3),
                                     dict(k_warps=8, num_warps=8), dict(k_warps=2, num_warps=2, use_dot=False,
                                                                          block_t=1)],
-                         ids=["block_n", "block_k", "block_t", "num_stages", "use_tma", "k_warps-num_warps",
+                         ids=["block_n", "block_k", "block_t", "num_stages", "split_k-0", "split_k-9", "use_tma",
+                              "k_warps-num_warps",
                               "k_warps-pow2", "k_warps-slice", "k_warps-fma"])
 def test_tile_validation(kwargs):
     base = dict(block_n=16, block_k=128, block_t=16, num_warps=2, num_stages=3, use_dot=True)
@@ -276,7 +294,7 @@ def _compile(kind, tile: DecodeTile, extra: tuple = (), dtype: str = "bf16"):
     consts = ROUTING_CONSTS[kind] | dict(FAST_DECODE=True, EVEN_K=True) | tile.kernel_kwargs() | dict(extra)
     if kind != "gate_up":
         consts["PDL"] = tile.pdl
-    else:
+    if kind != "token":
         consts["SPLIT_K"] = tile.split_k
     return compile_kernel(f"vllm_nvfp4_sm120.kernels.moe_decode:{name}", sig, consts, divisible=div,
                           num_warps=tile.num_warps, num_stages=tile.num_stages)
@@ -444,6 +462,21 @@ def test_gpu_split_k_gate_up(name, t, gate_name):
     a = _run(p, gate, dtile, kind, det)
     assert_moe_close(a, ref)
     assert torch.equal(a, _run(p, gate, dtile, kind, det))
+
+
+SPLIT_DOWN = [n for n, (kind, det, tile) in SWEEP.DOWN.items() if tile.split_k > 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("down_name", SPLIT_DOWN)
+@pytest.mark.parametrize("t", [1, 2, 3, 16])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "qwen3-next-80b", "odd"])
+def test_gpu_split_k_down(name, t, down_name):
+    # Every split of every local expert adds into the token's sums before the last arrival casts them (atomic
+    # mode: close to the reference, not bit-identical), with the table's T = 1 gate_up.
+    h, i, p, ref = _gpu_problem_and_ref(name, t)
+    gate, kind, det, dtile = _sweep_tiles("gu-n16k256-kw4-st3-shift", down_name, h, i)
+    assert_moe_close(_run(p, gate, dtile, kind, det), ref)
 
 
 def _sweep_tiles(gate_name, down_name, h, i):

@@ -25,6 +25,7 @@ gate_up kernel (gated activation fused) and the down kernel (routing weight and 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -176,6 +177,9 @@ def _checked_plan(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec
         plan = plan_for(x, w13_codes, w2_codes, topk_ids, w4a4=a13_enc is not None, expert_map=expert_map)
     if plan.kernel == MoeKernel.W4A4 and a13_enc is None:
         raise ValueError("plan: a W4A4 plan needs the activation scales a13_enc and a2_enc")
+    if deterministic and plan.impl == Impl.DECODE and plan.down.split_k > 1:
+        # K splits add into the atomic sums; the deterministic per-route rows take the whole K in one program.
+        plan = replace(plan, down=replace(plan.down, split_k=1))
     return plan, bool(deterministic), batch_invariant
 
 

@@ -28,7 +28,9 @@ Kernels (weight-only numerics, as ``format.moe_ref(..., a13_gs=None, a2_gs=None)
 * ``_moe_decode_down_expert_kernel`` — expert-major with the gate_up dedupe: each w2 block read once per call.
   Atomic mode: the routing-weighted rows are fp32-atomically added into a ``[T, H]`` workspace (zeroed by the
   gate_up kernel's programs) and counted per (token, H tile); the program whose add completes a tile (the last of
-  the token's local experts) casts it into the output, so the layer is still two launches.  Deterministic mode:
+  the token's local experts) casts it into the output, so the layer is still two launches.  ``split_k`` tiles
+  (atomic mode) split each program's K over that many programs, grid ``(rows, cdiv(H, BLOCK_N), split_k)``: the
+  splits add into the same sums, and the count waits for ``split_k`` arrivals per local expert.  Deterministic mode:
   one fp32 row per route into ``[T * top_k, H]``, summed in slot order by ``_moe_decode_sum_kernel``.
 
 Inner product (``USE_DOT`` constexpr): tensor cores with the weight rows on the MMA's M side and the routes of a
@@ -94,9 +96,10 @@ class DecodeTile:
     (every weight byte is read once per call).  ``pdl`` (down kernels, GPU): launched as a programmatic dependent of
     the gate_up kernel (which signals at its start), a program computes its routing and prefetches its weight rows
     into L2 while the gate_up kernel finishes, then waits for it (``griddepcontrol.wait``) before touching anything it
-    wrote or anything later kernels read.  ``split_k`` (gate_up): the K loop of each (route group, column block)
-    split over ``split_k`` programs, fp32 partial sums summed in split order by the last one (more programs, hence
-    more decode warps in flight, when T is small).  ``k_warps`` (tensor cores): the K step split into that many
+    wrote or anything later kernels read.  ``split_k``: the K loop of each program split over ``split_k`` programs
+    (more programs, hence more decode warps in flight, when T is small): gate_up, fp32 partial sums summed in split
+    order by the last one; the expert-major down in atomic mode, each split's products added into the token's fp32
+    sums like another expert's (the arrival count waits for every split).  ``k_warps`` (tensor cores): the K step split into that many
     slices, one warp each over all the program's rows (a batched ``tl.dot`` ``[k_warps, rows, block_k / k_warps]``),
     the slices' fp32 sums added after the K loop: ``k_warps`` times the warps per weight byte in flight without
     another program, partial sums in memory or an arrival count (``num_warps`` must equal it: Triton puts every
@@ -112,15 +115,17 @@ class DecodeTile:
     use_tma: bool = False
     evict_first: bool = False
     pdl: bool = False
-    split_k: int = 1  # gate_up only: K splits, each its own program (see _gate_up_split)
+    split_k: int = 1  # gate_up and the atomic expert-major down: K splits, each its own program
     shift_decode: bool = False  # the shift decode (tensor cores; see the module docstring)
     k_warps: int = 1  # warps over K within the program (tensor cores; see above)
 
     def __post_init__(self):
-        for name in ("block_n", "block_k", "block_t", "num_warps", "split_k", "k_warps"):
+        for name in ("block_n", "block_k", "block_t", "num_warps", "k_warps"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"DecodeTile.{name}: expected a power of two, got {v}")
+        if not 1 <= self.split_k <= 8:  # any count: the K tiles of a 3- or 6-step bank split evenly
+            raise ValueError(f"DecodeTile.split_k: expected 1..8, got {self.split_k}")
         if self.block_k < 32:
             raise ValueError(f"DecodeTile.block_k: expected >= 32 (two 16-element scale groups), got {self.block_k}")
         if self.use_dot and self.block_t < 16:
@@ -196,7 +201,7 @@ MOE_DECODE_DOWN_EXPERT_SIGNATURE = {
     **_DOWN_INTS,
     "HAS_MAP": "constexpr", "BY_EXPERT": "constexpr", "DETERMINISTIC": "constexpr", "S_BLOCK": "constexpr",
     "TOPK_BLOCK": "constexpr", "FAST_DECODE": "constexpr", "EVEN_K": "constexpr", "PDL": "constexpr",
-    **_TILE_CONSTEXPRS,
+    "SPLIT_K": "constexpr", **_TILE_CONSTEXPRS,
 }
 MOE_DECODE_SUM_SIGNATURE = {
     "src_ptr": "*fp32", "ids_ptr": "*i32", "map_ptr": "*i32", "dst_ptr": "*bf16",
@@ -828,13 +833,19 @@ def _moe_decode_down_expert_kernel(
     stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     HAS_MAP: tl.constexpr, BY_EXPERT: tl.constexpr, DETERMINISTIC: tl.constexpr, S_BLOCK: tl.constexpr,
     TOPK_BLOCK: tl.constexpr, FAST_DECODE: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
-    PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr,
-    EVICT_FIRST: tl.constexpr, NUM_STAGES: tl.constexpr, SHIFT_DECODE: tl.constexpr,
+    PDL: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+    USE_DOT: tl.constexpr, EVICT_FIRST: tl.constexpr, NUM_STAGES: tl.constexpr, SHIFT_DECODE: tl.constexpr,
     K_WARPS: tl.constexpr,
 ):
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
     num_n = tl.num_programs(1)
+    # K split ``kid`` (atomic mode only): its K tiles' products go into the same fp32 sums as every other split's,
+    # so a token's tile is complete after n_local * SPLIT_K arrivals.
+    kid = tl.program_id(2)
+    steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    k_lo = kid * steps * BLOCK_K
+    k_hi = tl.minimum(k_lo + steps * BLOCK_K, K)
     live, e, seen, count = _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E, HAS_MAP, BY_EXPERT, S_BLOCK)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < H
@@ -845,7 +856,7 @@ def _moe_decode_down_expert_kernel(
         if live:
             _prefetch_rows(w_ptr, w_sf_ptr, w_rows, s_rows, row_ok, K)
         _gdc_wait(PDL)
-    if not DETERMINISTIC:
+    if not DETERMINISTIC and kid == 0:
         # A token none of whose slots has a local expert gets no down program: zeros, from the programs of grid
         # row t, t + rows, ... (grid rows >= tokens in slot mode).
         for t in range(row, S // top_k, tl.num_programs(0)):
@@ -858,9 +869,10 @@ def _moe_decode_down_expert_kernel(
         dec = tl.load(w_dec_ptr + e)
         for c0 in range(0, count, BLOCK_T):
             route, r_ok = _chunk_routes(seen, c0, count, BLOCK_T)
-            acc = _expert_rows_product(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, e, pid_n * BLOCK_N,
-                                       a_ptr, route, r_ok, stride_am, K, BLOCK_N, BLOCK_K, BLOCK_T, USE_DOT, USE_TMA,
-                                       FAST_DECODE, EVICT_FIRST, EVEN_K, NUM_STAGES, SHIFT_DECODE, K_WARPS)
+            acc = _expert_rows_product_range(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, e,
+                                             pid_n * BLOCK_N, a_ptr, route, r_ok, stride_am, k_lo, k_hi, K, BLOCK_N,
+                                             BLOCK_K, BLOCK_T, USE_DOT, USE_TMA, FAST_DECODE, EVICT_FIRST, EVEN_K,
+                                             NUM_STAGES, SHIFT_DECODE, K_WARPS)
             y = (acc * dec) * tl.load(tw_ptr + route, mask=r_ok, other=0.0)[None, :]
             mask = row_ok[:, None] & r_ok[None, :]
             if DETERMINISTIC:  # one fp32 row per route, summed in slot order by the sum kernel
@@ -874,7 +886,7 @@ def _moe_decode_down_expert_kernel(
                 tl.debug_barrier()  # every thread's adds before the release of the count
                 done = tl.atomic_add(cnt_ptr + tok * num_n + pid_n, 1, mask=r_ok, sem="acq_rel")
                 n_local = _local_slots(ids_ptr, map_ptr, tok, S, E, GLOBAL_E, top_k, HAS_MAP, TOPK_BLOCK)
-                last = r_ok & (done == n_local - 1)
+                last = r_ok & (done == n_local * SPLIT_K - 1)
                 tl.debug_barrier()
                 # .cg: the sum is in L2; this SM's L1 may hold a stale copy of a line shared with another tile.
                 total = tl.load(ws_tile, mask=row_ok[:, None] & last[None, :], other=0.0, cache_modifier=".cg")
@@ -1140,8 +1152,14 @@ def moe_decode_gate_up(
     return run(x, w13_codes, w_sf, w13_dec, topk_ids, emap, out, zero)
 
 
+def _check_down_split(tile: DecodeTile, kernel: str, deterministic: bool) -> None:
+    if tile.split_k != 1 and (kernel != "down_expert" or deterministic):
+        raise ValueError(f"tile: split_k is for the gate_up and the atomic expert-major down; the {kernel} kernel"
+                         f"{' in deterministic mode' if deterministic else ''} has none (got {tile.split_k})")
+
+
 def _check_down(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expert_map, check_ids, out,
-                tile: DecodeTile, kernel: str):
+                tile: DecodeTile, kernel: str, deterministic: bool = False):
     """The down launchers' checks; allocates ``out [T, H]`` (``inter.dtype``) if not given."""
     import torch
 
@@ -1156,8 +1174,7 @@ def _check_down(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expe
         out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
     check_tensor("out", out, dtype=inter.dtype, shape=[t, h], last_dim_contiguous=True, device=inter.device)
     tile.check_rows(tile.block_n, kernel)
-    if tile.split_k != 1:
-        raise ValueError(f"tile: split_k is a gate_up option, the {kernel} kernel has none (got {tile.split_k})")
+    _check_down_split(tile, kernel, deterministic)
     return w_sf, e, h, i, t, k, global_e, emap, has_map, out
 
 
@@ -1203,7 +1220,8 @@ def moe_decode_down_expert(
     from ..format.checks import check_tensor
 
     w_sf, e, h, i, t, k, global_e, emap, has_map, out = _check_down(
-        inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expert_map, check_ids, out, tile, "down_expert")
+        inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expert_map, check_ids, out, tile, "down_expert",
+        deterministic)
     check_tensor("workspace", workspace, dtype=torch.float32, shape=[_workspace_numel(t, k, h, tile, deterministic)],
                  device=inter.device)
     if t == 0:
@@ -1336,16 +1354,17 @@ def prepare_moe_decode_down_expert(t: int, h: int, i: int, e: int, top_k: int, g
 
     from .launch import ReadyKernel
 
+    _check_down_split(tile, "down_expert", deterministic)
     s = t * top_k
     rows = min(s, e)
     gdc = _gdc_ok(device)
     shift = tile.shift_decode and shift_ok(i)
     launches = _Launches(lambda shift, stride_a, stride_w, stride_sf, stride_o: ReadyKernel(
-        _moe_decode_down_expert_kernel, (rows, triton.cdiv(h, tile.block_n)), S=s, H=h, K=i, E=e,
+        _moe_decode_down_expert_kernel, (rows, triton.cdiv(h, tile.block_n), tile.split_k), S=s, H=h, K=i, E=e,
         GLOBAL_E=global_e, top_k=top_k, stride_am=stride_a, stride_we=stride_w[0], stride_wn=stride_w[1],
         stride_wse=stride_sf[0], stride_wsn=stride_sf[1], stride_om=stride_o, HAS_MAP=has_map, BY_EXPERT=rows < s,
         DETERMINISTIC=deterministic, S_BLOCK=route_block(s), TOPK_BLOCK=max(2, triton.next_power_of_2(top_k)),
-        FAST_DECODE=_fast_decode(device), EVEN_K=i % tile.block_k == 0, PDL=tile.pdl and gdc,
+        FAST_DECODE=_fast_decode(device), EVEN_K=i % tile.block_k == 0, PDL=tile.pdl and gdc, SPLIT_K=tile.split_k,
         **(tile.kernel_kwargs() | {"SHIFT_DECODE": shift}), **tile.launch_kwargs(gdc),
     ))
     block_h = min(_SUM_BLOCK_H, triton.next_power_of_2(h))
