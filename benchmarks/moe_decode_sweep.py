@@ -181,6 +181,14 @@ for _name, _splits in (("exp-n64k256-w2-st2-shift", (2, 3, 4)), ("exp-n32k256-w2
     _kind, _det, _tile = DOWN[_name]
     for _s in _splits:
         DOWN[f"{_name}-s{_s}"] = (_kind, _det, replace(_tile, split_k=_s))
+# Device run 42: every split was slower (s2 5-30 %, s3 / s4 up to 2x): more programs add their prologue and epilogue
+# (routing, addresses, the pipeline's first loads; the atomics of the whole [rows, 16] tile) to an issue-bound
+# kernel.  The other way: more rows per program, each prologue and each activation fragment shared by more rows.
+# (128 rows over 4 warps with the shift decode is a wgmma on sm_90, which the shift decode cannot feed: refused by
+# DecodeTile.check_rows since run 43 found its sums wrong; 64 rows per warp, and 128 rows by TMA, spill registers on
+# sm_120.)  One warp over 64 stacked gate_up rows: each activation fragment shared by 64 rows.
+GATE_UP["gu-n32k128-w1-st3-shift"] = DecodeTile(32, 128, 16, num_warps=1, num_stages=3, use_dot=True,
+                                                shift_decode=True)
 # What a run sweeps without --gate-up / --down (about ten kernel tiles: each compiles once per routing bucket, and
 # the compiles are most of the ~4 minutes); the others are there for a focused second run.
 DEFAULT_GATE_UP = ("gu-n16k256-w2-tma", "gu-n16k512-w2-tma", "gu-n8k256-w1-tma", "gu-n32k256-w4-tma",

@@ -203,7 +203,7 @@ def _decode_plans():
     cases = {  # id: (T, H, I) as decode_tier_plan reads them
         "t1-expert-ptr": (1, 4096, 4096), "t2-expert-tma": (2, 4096, 512), "t8-token": (8, 4096, 512),
         "t32-expert-tma": (32, 4096, 4096),
-        "t8-token-odd": (8, 4112, 496), "t4-expert-nontma": (4, 4112, 4112),
+        "t8-token-odd": (8, 4112, 496), "t4-expert-nontma": (4, 4112, 4112), "t2-wide-gate-up": (2, 7168, 4096),
     }
     out = []
     for name, (t, h, i) in cases.items():
@@ -337,17 +337,22 @@ def test_dispatch_decode_rows():
                     i = H200_SHAPES[name][1]
                     assert not p.gate_up.use_tma
                     assert p.down.use_tma == (p.decode_down == "expert" and i <= M.DECODE_TMA_DOWN_MAX_I)
-                    assert p.gate_up.shift_decode == (t != 2)
+                    wide = h >= M.DECODE_WIDE_GATE_UP_MIN_H and t <= M.DECODE_WIDE_GATE_UP_MAX_T
+                    assert (p.gate_up == M.DECODE_GATE_UP_TILES[M.DECODE_WIDE_GATE_UP_TILE]) == wide
+                    assert p.tier.endswith("/wide") == wide
+                    assert p.gate_up.shift_decode == (t != 2 or wide)
                     assert p.down.shift_decode == (t > 2 or i > M.DECODE_TMA_DOWN_MAX_I)
-                    assert p.gate_up.k_warps == (4 if t == 1 else 1)
+                    assert p.gate_up.k_warps == (4 if t == 1 and not wide else 1)
             h, i, e, k = H200_SHAPES[name]  # T = 64: the decode plan's below 4 routes per expert (H200 run 26)
             assert (plan(64, name, cap).impl == "decode") == (64 * k / e < M.W4A4_MIN_TOKENS_PER_EXPERT)
             assert plan(128, name, cap).impl != "decode"
     names = {t: next(n for n, tile in M.DECODE_GATE_UP_TILES.items() if tile == plan(t, "deepseek-v3").gate_up)
              for t in (1, 2, 4, 8, 32)}
-    assert names == {1: "gu-n16k256-kw4-st3-shift", 2: "gu-n16k128-w2-st3", 4: "gu-n32k128-w2-st3-shift",
-                     8: "gu-n32k128-w2-st3-shift",
-                     32: "gu-n32k128-w2-st3-shift"}
+    # H = 7168: the wide gate_up up to T = 8 (H200 run 43), the rows' tiles beyond.
+    assert names == {1: "gu-n32k128-w1-st3-shift", 2: "gu-n32k128-w1-st3-shift", 4: "gu-n32k128-w1-st3-shift",
+                     8: "gu-n32k128-w1-st3-shift", 32: "gu-n32k128-w2-st3-shift"}
+    assert [plan(1, "qwen3-235b-a22b").gate_up, plan(2).gate_up] == [
+        M.DECODE_GATE_UP_TILES["gu-n16k256-kw4-st3-shift"], M.DECODE_GATE_UP_TILES["gu-n16k128-w2-st3"]]
     assert all(plan(t, "deepseek-v3").decode_down == "expert" for t in (1, 4, 32))
     # Qwen3-30B-A3B at T = 32 (2 routes per expert) is the decode plan's; 4 routes per expert are the tiers'.
     assert plan(32).impl == "decode" and plan(16).impl == "decode"

@@ -62,6 +62,8 @@ SPLIT2_TMA = DecodeTile(16, 256, 16, num_warps=4, num_stages=2, use_dot=True, us
 DOWN_SPLIT2 = DecodeTile(16, 32, 16, num_warps=4, num_stages=2, use_dot=True, split_k=2)
 DOWN_SPLIT3 = DecodeTile(16, 32, 16, num_warps=4, num_stages=2, use_dot=True, split_k=3)
 DOWN_SPLIT4_FMA = DecodeTile(16, 32, 1, num_warps=4, num_stages=2, use_dot=False, split_k=4)
+# 64 stacked rows over 4 warps with the shift decode: a wgmma on sm_90, which the shift decode cannot feed.
+WGMMA_SHIFT = DecodeTile(32, 128, 16, num_warps=4, num_stages=2, use_dot=True, shift_decode=True)
 # Warps over K: 2 slices of 32 (K = 80 / 112: the second slice of the last step partly or wholly past K), 4 of 32.
 KW2 = DecodeTile(16, 64, 16, num_warps=2, num_stages=2, use_dot=True, k_warps=2)
 KW4 = DecodeTile(16, 128, 16, num_warps=4, num_stages=2, use_dot=True, k_warps=4)
@@ -224,6 +226,12 @@ def _bad_input_cases():
         ("down", lambda: moe_decode(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti,
                                     gate_up_tile=DOT, down_tile=DOT, down="sum")),
         ("w13_codes", lambda: gate(x, w13.codes, w13.scales, d13, ti, tile=DOT_TMA)),  # TMA needs K % 256 == 0
+        # The shift decode on a dot Triton makes a wgmma on sm_90 (64k rows over 4k warps): refused everywhere.
+        ("tile: gate_up with shift_decode", lambda: gate(x, w13.codes, w13.scales, d13, ti, tile=WGMMA_SHIFT)),
+        ("tile: down_token with shift_decode", lambda: tok(inter, w2.codes, w2.scales, d2, ti, tw,
+                                                          tile=replace(WGMMA_SHIFT, block_n=64))),
+        ("tile: gate_up with shift_decode", lambda: md.prepare_moe_decode_gate_up(
+            2, 80, 96, 8, 2, 8, x.device, tile=WGMMA_SHIFT, activation="silu", has_map=False, zero_numel=None)),
         # K splits add into the atomic sums: neither the token-major nor the deterministic down has them.
         ("tile: split_k", lambda: tok(inter, w2.codes, w2.scales, d2, ti, tw, tile=DOWN_SPLIT2)),
         ("tile: split_k", lambda: moe_decode_down_expert(inter, w2.codes, w2.scales, d2, ti, tw,

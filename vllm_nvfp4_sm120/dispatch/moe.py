@@ -209,6 +209,7 @@ DECODE_GATE_UP_TILES = {
                                            shift_decode=True),
     "gu-n16k128-w2-st3": DecodeTile(16, 128, 16, num_warps=2, num_stages=3, use_dot=True),
     "gu-n32k128-w2-st3-shift": DecodeTile(32, 128, 16, num_warps=2, num_stages=3, use_dot=True, shift_decode=True),
+    "gu-n32k128-w1-st3-shift": DecodeTile(32, 128, 16, num_warps=1, num_stages=3, use_dot=True, shift_decode=True),
 }
 DECODE_DOWN_TILES = {
     "exp-n32k256-w2-tma-st2": DecodeTile(32, 256, 16, num_warps=2, num_stages=2, use_dot=True, use_tma=True),
@@ -242,6 +243,14 @@ DECODE_TOKEN_DOWN_TILE = "tok-n32k128-w1-st3-shift"
 # (two K steps per route) TMA was 6-38 % faster at T = 2-16 (Qwen3-Next-80B), so the rows' TMA tiles stay there.
 DECODE_TMA_DOWN_MAX_I = 512
 DECODE_POINTER_DOWN_TILE = "exp-n64k256-w2-st2-shift"
+# The gate_up of the widest layers at small T: one warp over 64 stacked rows (gate and up of 32 columns), each
+# activation fragment shared by 64 weight rows over a long K loop.  H200 run 43, DeepSeek-V3 (H = 7168): 65.6 / 110.4
+# / 223.4 / 402.8 us against the rows' tiles' 72.5 / 130.0 / 242.0 / 415.7 at T = 1 / 2 / 4 / 8 (the layer 1.03-1.13x
+# faster); at H = 4096 (Qwen3-235B-A22B) it won only T = 8 (176.5 against 186.9) and lost 7-12 % at T = 1-4, at
+# H = 2048 1-70 %, so it serves from this H, up to the largest T measured.
+DECODE_WIDE_GATE_UP_MIN_H = 7168
+DECODE_WIDE_GATE_UP_MAX_T = 8
+DECODE_WIDE_GATE_UP_TILE = "gu-n32k128-w1-st3-shift"
 
 # (max T, gate_up tile, expert-major down tile, why); with ``deterministic`` the down tile's per-route rows are
 # summed in slot order; the token-major and pointer-load rules above override the down tile.
@@ -276,7 +285,8 @@ def decode_tier_plan(cap: Capability, num_tokens: int, *, hidden: int, intermedi
                                       (len(rows) - 1, rows[-1]))
     token = num_tokens >= DECODE_TOKEN_DOWN_MIN_T and intermediate <= DECODE_TOKEN_DOWN_MAX_I
     kind = DecodeDown.TOKEN if token else DecodeDown.EXPERT
-    gate_up = DECODE_GATE_UP_TILES[name]
+    wide = hidden >= DECODE_WIDE_GATE_UP_MIN_H and num_tokens <= DECODE_WIDE_GATE_UP_MAX_T
+    gate_up = DECODE_GATE_UP_TILES[DECODE_WIDE_GATE_UP_TILE if wide else name]
     if token:
         down_name = DECODE_TOKEN_DOWN_TILE
     elif intermediate > DECODE_TMA_DOWN_MAX_I:
@@ -286,7 +296,8 @@ def decode_tier_plan(cap: Capability, num_tokens: int, *, hidden: int, intermedi
     gate_up = replace(gate_up, use_tma=gate_up.use_tma and tma[0])
     down = replace(down, use_tma=down.use_tma and tma[1])
     return MoePlan(kernel=MoeKernel.W4A16, block_m=0, gate_up=gate_up, down=down, fast_decode=cap.cc is not None,
-                   impl=Impl.DECODE, tier=f"{cap.family}/decode/{i}/{kind}", tma=tma, decode_down=kind)
+                   impl=Impl.DECODE, tier=f"{cap.family}/decode/{i}/{kind}{'/wide' if wide else ''}", tma=tma,
+                   decode_down=kind)
 
 
 def decode_plan(cap: Capability, *, num_tokens: int, top_k: int, global_experts: int, hidden: int,
@@ -452,7 +463,7 @@ def all_moe_plans(cap: Capability) -> list[MoePlan]:
     # Decode: every row, on both down kernels (the token-major rule and determinism), with and without TMA.
     for t in sorted({r[0] for r in _DECODE_ROWS.get(cap.family, ())}):  # each row's largest T
         for inter in (4096, DECODE_TOKEN_DOWN_MAX_I, 4096 + 16, DECODE_TOKEN_DOWN_MAX_I - 16):
-            for hidden in (4096, 4096 + 16):
+            for hidden in (4096, 4096 + 16, DECODE_WIDE_GATE_UP_MIN_H):
                 for tt in {t, max(t, DECODE_TOKEN_DOWN_MIN_T)}:
                     plan = decode_tier_plan(cap, tt, hidden=hidden, intermediate=inter)
                     if plan not in plans:

@@ -148,10 +148,16 @@ class DecodeTile:
                                  f"block_k {self.block_k} / k_warps {self.k_warps}")
 
     def check_rows(self, rows: int, kernel: str) -> None:
-        """The weight rows of one program (gate_up: ``2 * block_n``): tl.dot needs M >= 16."""
+        """The weight rows of one program (gate_up: ``2 * block_n``): tl.dot needs M >= 16; the shift decode needs
+        the mma_v2 operand layout, in which a thread's 4 consecutive code bytes are one memory word.  Triton makes
+        a dot of a multiple of 64 rows over a multiple of 4 warps a wgmma on sm_90, whose register operand is laid
+        out otherwise: wrong sums (H200 run 43: errors of the output's size), so such tiles are refused."""
         if self.use_dot and rows < 16:
             raise ValueError(f"tile: {kernel} with use_dot needs >= 16 weight rows per program, got {rows} "
                              f"(block_n {self.block_n})")
+        if self.shift_decode and self.k_warps == 1 and self.num_warps % 4 == 0 and rows % 64 == 0:
+            raise ValueError(f"tile: {kernel} with shift_decode needs mma_v2 operands; {rows} weight rows over "
+                             f"{self.num_warps} warps become a wgmma on sm_90 (use fewer warps or the table decode)")
 
     def kernel_kwargs(self) -> dict:
         return dict(BLOCK_N=self.block_n, BLOCK_K=self.block_k, BLOCK_T=self.block_t, USE_DOT=self.use_dot,
@@ -1283,6 +1289,7 @@ def prepare_moe_decode_gate_up(t: int, h: int, i: int, e: int, top_k: int, globa
 
     from .launch import ReadyKernel
 
+    tile.check_rows(2 * tile.block_n, "gate_up")  # a tile passed without the validating launchers
     s = t * top_k
     rows = min(s, e)  # one grid row per slot, or per local expert when that is fewer programs
     grid = (rows, triton.cdiv(i, tile.block_n), tile.split_k)
@@ -1324,6 +1331,7 @@ def prepare_moe_decode_down_token(t: int, h: int, i: int, e: int, top_k: int, gl
 
     from .launch import ReadyKernel
 
+    tile.check_rows(tile.block_n, "down_token")  # a tile passed without the validating launchers
     gdc = _gdc_ok(device)
     shift = tile.shift_decode and shift_ok(i)
     launches = _Launches(lambda shift, stride_a, stride_w, stride_sf, stride_o: ReadyKernel(
@@ -1354,6 +1362,7 @@ def prepare_moe_decode_down_expert(t: int, h: int, i: int, e: int, top_k: int, g
 
     from .launch import ReadyKernel
 
+    tile.check_rows(tile.block_n, "down_expert")  # a tile passed without the validating launchers
     _check_down_split(tile, "down_expert", deterministic)
     s = t * top_k
     rows = min(s, e)
