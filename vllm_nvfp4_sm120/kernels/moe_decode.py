@@ -99,11 +99,11 @@ class DecodeTile:
     wrote or anything later kernels read.  ``split_k``: the K loop of each program split over ``split_k`` programs
     (more programs, hence more decode warps in flight, when T is small): gate_up, fp32 partial sums summed in split
     order by the last one; the expert-major down in atomic mode, each split's products added into the token's fp32
-    sums like another expert's (the arrival count waits for every split).  ``k_warps`` (tensor cores): the K step split into that many
-    slices, one warp each over all the program's rows (a batched ``tl.dot`` ``[k_warps, rows, block_k / k_warps]``),
-    the slices' fp32 sums added after the K loop: ``k_warps`` times the warps per weight byte in flight without
-    another program, partial sums in memory or an arrival count (``num_warps`` must equal it: Triton puts every
-    warp of a batched MMA on the batch dimension).
+    sums like another expert's (the arrival count waits for every split).  ``k_warps`` (tensor cores): the K step
+    split into that many slices, one warp each over all the program's rows (a batched ``tl.dot`` ``[k_warps, rows,
+    block_k / k_warps]``), the slices' fp32 sums added after the K loop: ``k_warps`` times the warps per weight byte
+    in flight without another program, partial sums in memory or an arrival count (``num_warps`` must equal it:
+    Triton puts every warp of a batched MMA on the batch dimension).
     """
 
     block_n: int
