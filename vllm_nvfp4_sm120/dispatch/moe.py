@@ -23,7 +23,8 @@ launchers ``dispatch.registry.MOE_KERNELS`` names for its ``(kernel, impl)``.
   fewer than ``W4A4_MIN_TOKENS_PER_EXPERT`` routes per expert, on sm_90 and sm_120) skip the align pass: the
   routing tensors go straight into an align-free gate_up kernel and a down kernel with the top-k sum fused.  Weight
   only (W4A16 numerics) for W4A16 and W4A4 checkpoints alike, as the tiers below 4 routes per expert.  Tiles per
-  T and shape in :data:`_DECODE_ROWS`; BLOCK_M is 0 (no row blocks).
+  T in :data:`_DECODE_ROWS`, by shape in the rules beside it (the token-major and pointer-load downs, the wide
+  gate_up from H = 7168); BLOCK_M is 0 (no row blocks).
 
 Tiles are compile-checked for sm_120 (no local memory, shared memory <= 99 KB) by ``tests/kernels/test_moe_compile.py``
 over :func:`all_moe_plans` (the decode tiles by ``tests/kernels/test_moe_decode.py``).
@@ -244,10 +245,11 @@ DECODE_TOKEN_DOWN_TILE = "tok-n32k128-w1-st3-shift"
 DECODE_TMA_DOWN_MAX_I = 512
 DECODE_POINTER_DOWN_TILE = "exp-n64k256-w2-st2-shift"
 # The gate_up of the widest layers at small T: one warp over 64 stacked rows (gate and up of 32 columns), each
-# activation fragment shared by 64 weight rows over a long K loop.  H200 run 43, DeepSeek-V3 (H = 7168): 65.6 / 110.4
-# / 223.4 / 402.8 us against the rows' tiles' 72.5 / 130.0 / 242.0 / 415.7 at T = 1 / 2 / 4 / 8 (the layer 1.03-1.13x
-# faster); at H = 4096 (Qwen3-235B-A22B) it won only T = 8 (176.5 against 186.9) and lost 7-12 % at T = 1-4, at
-# H = 2048 1-70 %, so it serves from this H, up to the largest T measured.
+# activation fragment shared by 64 weight rows over a long K loop.  H200, DeepSeek-V3 (H = 7168; run 43: 65.6 / 110.4
+# / 223.4 / 402.8 us against the rows' tiles' 72.5 / 130.0 / 242.0 / 415.7 at T = 1 / 2 / 4 / 8; the layer side by
+# side 1.02-1.08x faster, run 45); at H = 4096 (Qwen3-235B-A22B) it won only T = 8 (176.5 against 186.9) and lost
+# 7-12 % at T = 1-4, at H = 2048 1-70 %, so it serves from this H, up to the largest T measured.  Both families (the
+# sm_90 measurement until an sm_120 run; the tile is compile-checked for sm_120).
 DECODE_WIDE_GATE_UP_MIN_H = 7168
 DECODE_WIDE_GATE_UP_MAX_T = 8
 DECODE_WIDE_GATE_UP_TILE = "gu-n32k128-w1-st3-shift"
