@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -293,7 +294,7 @@ SASS_CP_ASYNC_16B = r"LDGSTS\.E\.BYPASS\.128"
 
 
 @functools.cache
-def _compile(kind, tile: DecodeTile, extra: tuple = (), dtype: str = "bf16"):
+def _compile(kind, tile: DecodeTile, extra: tuple = (), dtype: str = "bf16", arch: int = 120):
     name, sig, div, parts = KERNELS[kind]
     if tile.use_tma:
         sig, div = md.tma_signature(sig, div, parts, tile.block_n, tile.block_k)
@@ -304,7 +305,7 @@ def _compile(kind, tile: DecodeTile, extra: tuple = (), dtype: str = "bf16"):
         consts["PDL"] = tile.pdl
     if kind != "token":
         consts["SPLIT_K"] = tile.split_k
-    return compile_kernel(f"vllm_nvfp4_sm120.kernels.moe_decode:{name}", sig, consts, divisible=div,
+    return compile_kernel(f"vllm_nvfp4_sm120.kernels.moe_decode:{name}", sig, consts, divisible=div, arch=arch,
                           num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
@@ -345,6 +346,26 @@ def _dispatch_jobs():
             jobs[("gate_up", p.gate_up)] = None
             jobs[(str(p.decode_down), p.down)] = None
     return list(jobs)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kind,tile", [
+    ("gate_up", WGMMA_SHIFT), ("gate_up", replace(WGMMA_SHIFT, num_warps=2)),
+    ("expert", replace(WGMMA_SHIFT, block_n=128)), ("expert", replace(WGMMA_SHIFT, block_n=128, num_warps=2)),
+], ids=["gate_up-w4", "gate_up-w2", "down-w4", "down-w2"])
+def test_shift_decode_refused_exactly_where_sm90_makes_a_wgmma(kind, tile):
+    # The shift decode's PTX takes a thread's 4 code bytes as one memory word, which the mma_v2 operand layout
+    # gives and the wgmma register operand does not (H200 run 43: wrong sums).  The refusal rule of
+    # DecodeTile.check_rows agrees with the compiler: HGMMA in the sm_90 SASS exactly for the refused tiles.
+    rows = 2 * tile.block_n if kind == "gate_up" else tile.block_n
+    try:
+        tile.check_rows(rows, kind)
+        refused = False
+    except ValueError:
+        refused = True
+    sass = _compile(kind, tile, arch=90).sass
+    assert bool(re.search(r"\bHGMMA\b", sass)) == refused
+    assert bool(re.search(r"\bHMMA\b", sass)) == (not refused)
 
 
 @pytest.mark.compile
