@@ -261,4 +261,5 @@ def test_gpu_gemlite_matches_our_reference(gen):
     cfg = sys.modules["gemlite.triton_kernels.gemm_splitK_kernels"].gemm_splitK_MX_kernel.best_config.kwargs
     want = peers.gemlite_split_k_ref(x, p.codes, p.scales, p.dec_rows, split_k=cfg["SPLIT_K"],
                                      block_k=cfg["BLOCK_SIZE_K"])
-    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=float(want.abs().max()) * cfg["SPLIT_K"] * 2**-9)
+    # (an output near zero may still move by a bf16 step of the partials: their fp32 order is not the model's)
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=float(want.abs().max()) * (cfg["SPLIT_K"] + 1) * 2**-8)
