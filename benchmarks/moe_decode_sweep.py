@@ -303,11 +303,15 @@ def sweep(args) -> dict:
     for shape in args.shapes.split(","):
         h, i, e, k = (SHAPES | EXTRA_SHAPES)[shape]
         expert_bytes = 2 * i * h * 9 // 16 + h * i * 9 // 16  # codes (1/2 byte) + scales (1/16 byte) per weight
-        copies = args.copies or max(2, min(16, math.ceil(args.min_bytes / (k * expert_bytes))))
+        copies = 16 if args.warm else max(2, min(16, math.ceil(args.min_bytes / (k * expert_bytes))))
         gen = torch.Generator(device=device).manual_seed(0)
-        banks = [(_bank(e, 2 * i, h, gen, device), _bank(e, h, i, gen, device)) for _ in range(copies)]
-        print(f"# {shape}: H={h} I={i} E={e} top_k={k}, {copies} bank copies "
-              f"({copies * e * expert_bytes / 1e9:.1f} GB)", flush=True)
+        if args.warm:  # one bank (and below one routing) in every call of the graph
+            banks = [(_bank(e, 2 * i, h, gen, device), _bank(e, h, i, gen, device))] * copies
+        else:
+            banks = [(_bank(e, 2 * i, h, gen, device), _bank(e, h, i, gen, device)) for _ in range(copies)]
+        print(f"# {shape}: H={h} I={i} E={e} top_k={k}, {copies} calls on "
+              f"{'one bank (warm)' if args.warm else f'{copies} bank copies'} "
+              f"({len({id(b) for b in banks}) * e * expert_bytes / 1e9:.1f} GB)", flush=True)
         gates = {n: GATE_UP[n] for n in gate_names if candidate_ok(GATE_UP[n], h)}
         downs = {n: DOWN[n] for n in down_names if candidate_ok(DOWN[n][2], i)}
         layers = [p for p in pairs if candidate_ok(GATE_UP[p[0]], h) and candidate_ok(DOWN[p[1]][2], i)]
@@ -327,7 +331,9 @@ def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_re
     """One (shape, T): check every candidate, time gate_up and down candidates alone, the best pair, the given
     ``pairs`` as layers, today's path."""
     copies = len(banks)
-    routes = [_routing(t, e, k, gen, device) for _ in range(copies)]
+    warm = all(b is banks[0] for b in banks)  # --warm: the same experts in every call, in L2 where they fit
+    routes = [_routing(t, e, k, gen, device)] * copies if warm else [_routing(t, e, k, gen, device)
+                                                                     for _ in range(copies)]
     x = torch.randn(t, h, device=device, generator=gen).to(torch.bfloat16 if device.type == "cuda" else torch.float16)
     touched = [int(torch.unique(ti).numel()) for _, ti in routes]
     expert_bytes = 2 * i * h * 9 // 16 + h * i * 9 // 16
@@ -437,9 +443,9 @@ def main(argv=None):
     p.add_argument("--pairs", default="", help="GATE_UP+DOWN names, comma-separated: each timed as a whole layer "
                                                "(alone unless --gate-up / --down are given too)")
     p.add_argument("--min-bytes", type=float, default=4e8, help="bytes the bank copies of one graph must touch")
-    p.add_argument("--copies", type=int, default=0,
-                   help="bank copies (default: by --min-bytes); 1 keeps the touched experts in L2 across replays "
-                        "where they fit: the kernels' time without DRAM (a diagnostic, not the floor's measurement)")
+    p.add_argument("--warm", action="store_true",
+                   help="every call of the graph on one bank with one routing: the touched experts stay in L2 where "
+                        "they fit (the kernels' time without DRAM; a diagnostic, not the floor's measurement)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--no-baseline", action="store_true", help="skip today's path")
     p.add_argument("--list", action="store_true", help="print the candidates and exit")

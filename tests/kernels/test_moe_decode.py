@@ -869,6 +869,16 @@ def test_sweep_script_runs(tmp_path):
     assert row["best"] and row["best_us"] > 0 and row["experts_touched"] >= 2
 
 
+def test_sweep_script_warm(tmp_path):
+    # --warm: one bank and one routing in every call of the graph (the experts touched once per graph).
+    import json
+
+    SWEEP.main(["--device", DEVICE, "--shapes", "tiny", "--tokens", "1", "--gate-up", "gu-n16k256-w2-tma",
+                "--down", "tok-n16k256-w1", "--repeats", "1", "--no-baseline", "--warm", "--out", str(tmp_path)])
+    row = json.loads((tmp_path / "moe_decode.json").read_text())["rows"][0]
+    assert row["failed"] == [] and row["copies"] == 16 and row["experts_touched"] == 2  # T = 1, top-2
+
+
 def test_sweep_script_times_pairs(tmp_path):
     # --pairs alone: each pair checked and timed as a whole layer, no tile timed alone (a programmatic dependent
     # down kernel shows its gain only after its gate_up kernel).
