@@ -409,6 +409,8 @@ def test_sum_kernel_compiles_for_sm120():
 # GPU: real checkpoint shapes
 # ---------------------------------------------------------------------------------------------------------------
 GPU_TOKENS = [1, 2, 3, 5, 16, 64]
+# The shapes of moe_gpu_common the GPU tests run: the four models and an odd one (H, I not multiples of 256).
+GPU_SHAPES = ["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "qwen3-next-80b", "odd"]
 # Down variants of the GPU tests: (kernel, deterministic), each with its sweep candidate tile.
 GPU_DOWN = {"token": ("tok-n16k256-w1", False), "expert": ("exp-n32k256-w2", False),
             "expert-det": ("exp-n32k256-w2-tma-det", True), "token-pdl": ("tok-n16k256-w1-pdl", False),
@@ -448,7 +450,7 @@ def _gpu_problem_and_ref(name, t, activation="silu", **kwargs):
 @pytest.mark.gpu
 @pytest.mark.parametrize("down", list(GPU_DOWN))
 @pytest.mark.parametrize("t", GPU_TOKENS)
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "qwen3-next-80b", "odd"])
+@pytest.mark.parametrize("name", GPU_SHAPES)
 def test_gpu_layer(name, t, down):
     h, i, p, ref = _gpu_problem_and_ref(name, t)
     gate, kind, det, dtile = _gpu_tiles(h, i, down=down)
@@ -479,7 +481,7 @@ SPLIT_GATE_UP = [n for n, tile in SWEEP.GATE_UP.items() if tile.split_k > 1]
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate_name", SPLIT_GATE_UP)
 @pytest.mark.parametrize("t", [1, 2, 3, 16])
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "qwen3-next-80b", "odd"])
+@pytest.mark.parametrize("name", GPU_SHAPES)
 def test_gpu_split_k_gate_up(name, t, gate_name):
     # Every split's partial sums reach the last one to arrive, whatever the order: checked against the reference
     # and bit-identical twice (the splits are summed in split order).
@@ -499,7 +501,7 @@ SPLIT_DOWN = [n for n, (kind, det, tile) in SWEEP.DOWN.items() if tile.split_k >
 @pytest.mark.gpu
 @pytest.mark.parametrize("down_name", SPLIT_DOWN)
 @pytest.mark.parametrize("t", [1, 2, 3, 16])
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "qwen3-next-80b", "odd"])
+@pytest.mark.parametrize("name", GPU_SHAPES)
 def test_gpu_split_k_down(name, t, down_name):
     # Every split of every local expert adds into the token's sums before the last arrival casts them (atomic
     # mode: close to the reference, not bit-identical), with the table's T = 1 gate_up.
@@ -524,7 +526,7 @@ KW_DOWN = [n for n, (_, _, tile) in SWEEP.DOWN.items() if tile.k_warps > 1]
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate_name,down_name", list(zip(KW_GATE_UP, KW_DOWN * 2)), ids=lambda v: v)
 @pytest.mark.parametrize("t", [1, 2, 3, 16])
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "qwen3-next-80b", "odd"])
+@pytest.mark.parametrize("name", GPU_SHAPES)
 def test_gpu_k_warps(name, t, gate_name, down_name):
     # The batched-MMA K slices of both kernels (the PTX decodes and TMA, which the interpreter cannot run) on every
     # shape, the odd one's tails included (TMA off where K % 256 != 0).

@@ -654,6 +654,15 @@ def _expert_rows_product_range(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, 
 
 
 @triton.jit
+def _split_range(kid, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """K split ``kid``'s range ``k_lo .. k_hi``: an equal number of whole K tiles per split (the last ones may be
+    short or empty)."""
+    steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    k_lo = kid * steps * BLOCK_K
+    return k_lo, tl.minimum(k_lo + steps * BLOCK_K, K)
+
+
+@triton.jit
 def _zero_slice(zero_ptr, pid, zero_numel, zero_chunk, ZERO_BLOCK: tl.constexpr):
     start = pid.to(tl.int64) * zero_chunk
     for z0 in range(0, zero_chunk, ZERO_BLOCK):
@@ -680,9 +689,7 @@ def _gate_up_split(x_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, out_ptr, p
     e64 = e.to(tl.int64)
     w_rows = e64 * stride_we + w_row * stride_wn
     s_rows = e64 * stride_wse + w_row * stride_wsn
-    steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
-    k_lo = kid * steps * BLOCK_K
-    k_hi = tl.minimum(k_lo + steps * BLOCK_K, K)
+    k_lo, k_hi = _split_range(kid, K, BLOCK_K, SPLIT_K)
     slice_numel = S.to(tl.int64) * 2 * I
     for c0 in range(0, count, BLOCK_T):
         route, r_ok = _chunk_routes(seen, c0, count, BLOCK_T)
@@ -849,9 +856,7 @@ def _moe_decode_down_expert_kernel(
     # K split ``kid`` (atomic mode only): its K tiles' products go into the same fp32 sums as every other split's,
     # so a token's tile is complete after n_local * SPLIT_K arrivals.
     kid = tl.program_id(2)
-    steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
-    k_lo = kid * steps * BLOCK_K
-    k_hi = tl.minimum(k_lo + steps * BLOCK_K, K)
+    k_lo, k_hi = _split_range(kid, K, BLOCK_K, SPLIT_K)
     live, e, seen, count = _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E, HAS_MAP, BY_EXPERT, S_BLOCK)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < H
