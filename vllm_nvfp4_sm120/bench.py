@@ -106,8 +106,10 @@ def _copies(bytes_per_copy: int, min_bytes: int) -> int:
 
 def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: list[str]) -> list[Row]:
     from .dispatch.hw import capability_of
-    from .dispatch.linear import W4A16_GEMV_MAX_T, dequant_mm_chunk_n, gluon_gemv_plan, select_linear, w4a16_plan
-    from .dispatch.registry import LINEAR_KERNELS
+    from .dispatch.gemv_stream_plan import STREAM_MAX_T
+    from .dispatch.linear import (W4A16_GEMV_MAX_T, dequant_mm_chunk_n, gemv_stream_linear_plan, gluon_gemv_plan,
+                                  select_linear, w4a16_plan)
+    from .dispatch.registry import LINEAR_KERNELS, Ready, prepare_linear
 
     cap = capability_of(torch.device("cuda"))
     sm_count = cap.sm_count
@@ -148,12 +150,20 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
                     candidates[f"ours-w4a4 ({plan.kernel}, emulated MMA below sm_120)"] = lambda run=run, plan=plan: [
                         run(x, w.codes, w.scales, dec_rows, None, in_enc, alpha, None, **plan.kwargs) for w in ws]
                 if "gluon" in kernels and t <= 32:
-                    # The tile the dispatch would pick for this GPU (on sm_90, T = 2 runs the tensor-core tile).
+                    # The Gluon gemv on its tile rule (the decode kernel the table ran before the streaming one).
                     plan = gluon_gemv_plan(cap, t, n, k)
                     run = LINEAR_KERNELS[plan.kernel]
                     name = f"ours-{plan.kernel.replace('_', '-')} (portable decode below sm_120)"
                     candidates[name] = lambda run=run, plan=plan: [
                         run(x, w.codes, w.scales, dec_rows, None, None, None, None, **plan.kwargs) for w in ws]
+                    kernel_of[name] = plan.kernel
+                if "stream" in kernels and t <= STREAM_MAX_T:
+                    # The streaming kernel with the dispatch's tile and grid, through the ready launch the op caches.
+                    plan = gemv_stream_linear_plan(cap, t, n, k)
+                    run = prepare_linear(plan, Ready(t, n, k, x.device, x.dtype, has_bias=False))
+                    name = "ours-gluon-gemv-stream (portable decode below sm_120)"
+                    candidates[name] = lambda run=run: [
+                        run(x, w.codes, w.scales, dec_rows, None, None, None, None) for w in ws]
                     kernel_of[name] = plan.kernel
                 if "cublas-bf16" in kernels:
                     if w_bf16 is None:
@@ -931,7 +941,7 @@ def build_parser() -> argparse.ArgumentParser:
         b = sub.add_parser(what, help=help_)
         b.add_argument("--models", default=models, help="comma list of built-in shapes")
         b.add_argument("--tokens", default=",".join(map(str, tokens)), help="batch sizes T")
-        b.add_argument("--kernels", default="w4a16,gluon,w4a4,cublas-bf16,naive", help="candidates (linear)")
+        b.add_argument("--kernels", default="w4a16,gluon,stream,w4a4,cublas-bf16,naive", help="candidates (linear)")
         b.add_argument("--min-bytes", type=float, default=2e9, help="weight bytes per timed run (defeats the L2)")
         b.add_argument("--json", metavar="PATH", help="write rows as JSON ('-': stdout)")
         b.set_defaults(func=run_kernel_bench)

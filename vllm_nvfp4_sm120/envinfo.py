@@ -102,7 +102,10 @@ def _t_range(lo: int, hi: int | None) -> str:
 
 def _plan_str(plan: dispatch_linear.LinearPlan) -> str:
     kw = plan.kwargs
-    if "block_m" in kw:
+    if plan.kernel == dispatch_linear.LinearKernel.GLUON_GEMV_STREAM:
+        return (f"{plan.kernel} {kw['block_m']}x{kw['block_t']}, {kw['num_warps']} warps ({kw['row_warps']} over "
+                f"rows), {kw['ctas']} CTAs")
+    if {"block_m", "block_n", "block_k"} <= kw.keys():
         return f"{plan.kernel} {kw['block_m']}x{kw['block_n']}x{kw['block_k']}, {kw.get('num_warps', '?')} warps"
     return plan.kernel
 

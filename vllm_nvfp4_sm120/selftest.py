@@ -207,6 +207,26 @@ def _compile_gluon_gemv() -> str:
     return rep.summary()
 
 
+@check("compile", "Gluon streaming W4A16 decode (the T <= 16 linears) → cvt e2m1x2 + bf16 HMMA, acq_rel counters "
+                  "(sm_120)")
+def _compile_gluon_gemv_stream() -> str:
+    from .kernels import gluon_gemv_stream as gs
+    from .kernels.aot import compile_kernel
+    from .kernels.gluon_compat import HAS_GLUON
+
+    if not HAS_GLUON:
+        raise Skip("this Triton has no Gluon >= 3.6")
+    tile = gs.StreamTile(128, 8, 4, 2)  # the T <= 8 tile of dispatch.gemv_stream_plan
+    rep = compile_kernel(
+        "vllm_nvfp4_sm120.kernels.gluon_gemv_stream:_stream_kernel", gs.STREAM_SIGNATURE,
+        dict(HAS_BIAS=False, DECODE=gs.DECODE_CVT, EVEN_K=True, BLOCK_M=tile.block_m, BLOCK_T=tile.block_t,
+             WARPS=tile.num_warps, ROW_WARPS=tile.row_warps),
+        divisible=gs.STREAM_DIVISIBLE, num_warps=tile.num_warps, gluon=True)
+    rep.require_ptx(r"cvt\.rn\.bf16x2\.e2m1x2").require_ptx(r"atom\.global\.gpu\.acq_rel\.add")
+    rep.require_sass(SASS_HMMA_BF16).require_no_local().require_smem()
+    return rep.summary()
+
+
 @check("compile", "Gluon warp-specialized MoE W4A4 gate_up + persistent down with epilogue warps → OMMA, TMA, "
                   "setmaxnreg, cvt e2m1x2 (sm_120)")
 def _compile_gluon_moe_w4a4() -> str:
@@ -361,6 +381,46 @@ def _gpu_gluon_gemv() -> str:
         out = gg.gemv(x.to(dev), p.codes.to(dev), p.scales.to(dev), p.dec_rows.to(dev))
         worst = max(worst, _close(out, linear_w4a16_ref(x, p.codes, p.scales, p.dec_rows), f"gemv T={t}"))
     return f"T = 1, 2, 8, 32: max |err| {worst:.3g}"
+
+
+@check("gpu", "Gluon streaming W4A16 decode (the dispatch's T <= 16 plans, ready launch, CUDA-graph replay) vs torch "
+              "reference")
+def _gpu_gluon_gemv_stream() -> str:
+    dev = _need_cuda()
+    from .dispatch.hw import capability_of
+    from .dispatch.linear import LinearKernel, select_linear
+    from .dispatch.registry import Ready, prepare_linear
+    from .kernels.gluon_compat import ENV_DISABLE, gluon_enabled
+
+    if not gluon_enabled():
+        raise Skip(f"Gluon kernels are off (Triton without Gluon >= 3.6, or {ENV_DISABLE}=1)")
+    if torch.cuda.get_device_capability()[0] < 8:
+        raise Skip("needs sm_80 or newer")
+    gen = torch.Generator().manual_seed(7)
+    n, k = 640, 3072  # 5 row tiles x 24 k-blocks: several CTAs per row tile, so the counters and partials run
+    p = make_linear(n, k, gen=gen, logical_widths=[n])
+    codes, scales, dec = p.codes.to(dev), p.scales.to(dev), p.dec_rows.to(dev)
+    worst, done = 0.0, []
+    for t in (1, 5, 16):
+        plan = select_linear(capability_of(dev), "w4a16", t, n, k)
+        if plan.kernel != LinearKernel.GLUON_GEMV_STREAM:
+            raise Skip(f"the dispatch runs {plan.kernel} at T = {t} on this GPU")
+        run = prepare_linear(plan, Ready(t, n, k, dev, torch.bfloat16, has_bias=False))
+        x = torch.randn(t, k, generator=gen).to(torch.bfloat16)
+        ref = linear_w4a16_ref(x, p.codes, p.scales, p.dec_rows)
+        xd = x.to(dev)
+        eager = run(xd, codes, scales, dec, None, None, None, None)
+        worst = max(worst, _close(eager, ref, f"stream T={t}"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run(xd, codes, scales, dec, None, None, None, None)
+        for _ in range(2):  # replays reuse the counters the kernel left zero
+            graph.replay()
+            torch.cuda.synchronize()
+            if not torch.equal(captured, eager):
+                raise AssertionError(f"stream T={t}: a CUDA-graph replay differs from the eager call")
+        done.append(str(t))
+    return f"T = {', '.join(done)}, N={n} K={k}: max |err| {worst:.3g}, graph replays bit-equal"
 
 
 @check("gpu", "Gluon block-scaled NVFP4 MMA tile (native OMMA; sm_120 only) vs torch reference")

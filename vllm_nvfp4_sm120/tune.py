@@ -51,7 +51,8 @@ MIN_GAIN = 0.03
 # The candidate must compute the layer: ||out - ref|| / ||ref||.  Exact decodes and fp32 sums leave bf16 rounding
 # of the output (2^-9 relative) and summation order; a wrong tile or kernel is off by O(1).
 REL_TOL = 1e-2
-DECODE_KERNELS = (LinearKernel.W4A16_GEMV, LinearKernel.GLUON_GEMV_FMA, LinearKernel.GLUON_GEMV_MMA)
+DECODE_KERNELS = (LinearKernel.W4A16_GEMV, LinearKernel.GLUON_GEMV_FMA, LinearKernel.GLUON_GEMV_MMA,
+                  LinearKernel.GLUON_GEMV_STREAM)
 
 
 def linear_choice(plan) -> dict:
@@ -127,12 +128,14 @@ def _near(segs, i: int) -> list[dict]:
 
 def _linear_tiles_at(cap: Capability, kernel: str, t: int) -> list[dict]:
     """The tiles of ``kernel`` worth timing at T: every listed one, except that the CUDA-core gemv takes T tokens
-    per CTA and the tensor-core gemv at most the smallest token block that covers T (a smaller one runs two passes)."""
+    per CTA and the tensor-core gemvs at most the smallest token block that covers T (a smaller one runs two passes)."""
     tiles = configs.linear_tiles(cap.family, kernel)
     if kernel == LinearKernel.GLUON_GEMV_FMA:
         return [tile for tile in tiles if tile["block_t"] == t]
-    if kernel == LinearKernel.GLUON_GEMV_MMA:
-        cover = min((tile["block_t"] for tile in tiles if tile["block_t"] >= t), default=0)
+    if kernel in (LinearKernel.GLUON_GEMV_MMA, LinearKernel.GLUON_GEMV_STREAM):
+        # past the largest token block (the streaming kernel's 16) every tile runs several token tiles
+        widest = max((tile["block_t"] for tile in tiles), default=0)
+        cover = min((tile["block_t"] for tile in tiles if tile["block_t"] >= t), default=widest)
         return [tile for tile in tiles if tile["block_t"] <= cover]
     return tiles
 

@@ -66,15 +66,19 @@ def test_points_cover_both_sides_of_every_builtin_switch(cap, route):
 def test_decode_points_time_gluon_and_triton():
     points = by_t(tune.linear_points(H200, "w4a16", N, K))
     kernels = lambda t: {c.choice["kernel"] for c in points[t].candidates}  # noqa: E731
-    assert kernels(1) == kernels(2) == {"w4a16_gemv", "gluon_gemv_fma", "gluon_gemv_mma"}
-    assert kernels(4) == {"w4a16_gemv", "gluon_gemv_mma"}
-    assert kernels(16) == {"w4a16_gemv", "gluon_gemv_mma", "w4a16_gemm"}
-    assert kernels(17) == {"w4a16_gemm", "w4a16_gemv", "gluon_gemv_mma"}  # decode kernels: timed up to T = 32
+    stream = "gluon_gemv_stream"
+    assert kernels(1) == kernels(2) == {"w4a16_gemv", "gluon_gemv_fma", "gluon_gemv_mma", stream}
+    assert kernels(4) == {"w4a16_gemv", "gluon_gemv_mma", stream}
+    assert kernels(16) == {"w4a16_gemv", "gluon_gemv_mma", stream, "w4a16_gemm"}
+    # decode kernels: timed up to T = 32 (the streaming kernel's 16-token tiles twice)
+    assert kernels(17) == {"w4a16_gemm", "w4a16_gemv", "gluon_gemv_mma", stream}
+    assert {c.choice["tile"]["block_t"] for c in points[17].candidates if c.choice["kernel"] == stream} == {8, 16}
     assert kernels(64) == {"w4a16_gemm"}
     # The CUDA-core gemv with T tokens per CTA; the tensor-core gemv up to the token block that covers T.
     assert {c.choice["tile"]["block_t"] for c in points[2].candidates if c.choice["kernel"] == "gluon_gemv_fma"} == {2}
-    assert {c.choice["tile"]["block_t"] for c in points[9].candidates if c.choice["kernel"] == "gluon_gemv_mma"} == {
-        8, 16}
+    for kernel in ("gluon_gemv_mma", stream):
+        assert {c.choice["tile"]["block_t"] for c in points[9].candidates if c.choice["kernel"] == kernel} == {8, 16}
+    assert {c.choice["tile"]["block_t"] for c in points[8].candidates if c.choice["kernel"] == stream} == {8}
     prefill = {c.choice["kernel"] for c in points[DEQUANT_MM_MIN_T_PORTABLE].candidates}
     assert prefill == {"w4a16_gemm", "w4a16_dequant_mm"}
 
@@ -90,7 +94,7 @@ def test_no_gluon_candidates_where_the_dispatch_has_none(monkeypatch):
 def test_requested_tokens_are_the_only_points():
     points = tune.linear_points(H200, "w4a16", N, K, tokens=[160, 2, 159, 2])
     assert [p.t for p in points] == [2, 159, 160] and {p.why for p in points} == {"requested"}
-    assert [p.builtin["kernel"] for p in points] == ["gluon_gemv_mma", "w4a16_gemm", "w4a16_dequant_mm"]
+    assert [p.builtin["kernel"] for p in points] == ["gluon_gemv_stream", "w4a16_gemm", "w4a16_dequant_mm"]
 
 
 def test_moe_points_around_the_w4a4_switch_and_gluon_tiers():
@@ -206,10 +210,11 @@ def test_written_files_drive_the_dispatch(user_dir):
 
 
 def test_summary_names_kept_and_moved_switches():
-    points = tune.linear_points(H200, "w4a16", N, K, tokens=[1, 2, 159, 160])
+    points = tune.linear_points(H200, "w4a16", N, K, tokens=[8, 9, 159, 160])
     outcomes = _fake_run(points, {160: "w4a16_gemm k64 m128 n256 g8 s4 w8 swap1"})
     text = tune.format_summary(outcomes, "# header")
-    assert "built-in switch at T = 2 (gluon_gemv_fma t1 w4 r2 -> gluon_gemv_mma t8 w4): kept" in text
+    assert ("built-in switch at T = 9 (gluon_gemv_stream m128 t8 w4 rw2 -> gluon_gemv_stream m128 t16 w4 rw2): "
+            "kept") in text
     assert "built-in switch at T = 160" in text and "not kept (T = 159: w4a16_gemm" in text
     assert "moved: 2.00x faster than built-in" in text
 
@@ -222,7 +227,7 @@ def test_list_shows_the_plan_without_a_gpu(capsys):
     assert code == 0
     if NO_GPU:
         assert out.startswith("# no GPU (sm_90, 132 SMs)")
-    assert "T=159" in out and "w4a16_dequant_mm" in out and out.strip().endswith("3 points, 15 candidate runs")
+    assert "T=159" in out and "w4a16_dequant_mm" in out and out.strip().endswith("3 points, 18 candidate runs")
 
 
 def test_tune_plan_from_a_checkpoint(tiny, capsys):
@@ -347,7 +352,7 @@ def test_the_tune_command_writes_what_the_dispatch_reads(fake_kernels, monkeypat
     assert "built-in switch at T = 160 (w4a16_gemm k128 m64 n64 g8 s3 w4 swap0 -> w4a16_dequant_mm): kept" in out
     configs.clear_cache()
     assert select_linear(H200, "w4a16", 2, 64, 128).kernel == "gluon_gemv_fma"
-    assert table_linear(H200, "w4a16", 2, 64, 128).kernel == "gluon_gemv_mma"
+    assert table_linear(H200, "w4a16", 2, 64, 128).kernel == "gluon_gemv_stream"
     assert select_linear(H200, "w4a16", 159, 64, 128).kernel == "w4a16_gemm"
     assert select_linear(H200, "w4a16", 160, 64, 128).kernel == "w4a16_dequant_mm"
     report = json.loads((user_dir / "tune.json").read_text())

@@ -38,7 +38,7 @@ def test_dry_run_lists_the_variants(capsys, tiny):
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].startswith("# ") and "3 batch sizes, route triton" in lines[0]
-    assert any(line.startswith("linear qkv N=256 K=128: gluon_gemv_fma(") and line.endswith("at T=1")
+    assert any(line.startswith("linear qkv N=256 K=128: gluon_gemv_stream(") and line.endswith("at T=1")
                for line in lines)
     assert any(line.startswith("moe H=128 I=64 E=4 top_k=2: w4a16 ") for line in lines)
     assert lines[-1].startswith("# ") and "linear plans" in lines[-1]

@@ -21,10 +21,15 @@ from vllm_nvfp4_sm120.dispatch.linear import (
     backend_name,
     dequant_mm_chunk_n,
     dequant_mm_min_t,
+    gluon_gemv_plan,
     gluon_gemv_tile,
     select_linear,
     small_t_threshold,
+    stream_wave_ctas,
 )
+from vllm_nvfp4_sm120.dispatch.configs import DERIVED_PARAMS
+from vllm_nvfp4_sm120.dispatch.gemv_stream_plan import stream_plan
+from vllm_nvfp4_sm120.kernels.gluon_gemv_stream import STREAM_TILES, StreamTile
 from vllm_nvfp4_sm120.kernels.aot import SASS_OMMA_NVFP4, compile_kernel
 from vllm_nvfp4_sm120.kernels.w4a4_gemm import W4A4_DIVISIBLE, W4A4_SIGNATURE
 
@@ -44,15 +49,39 @@ def test_small_batches_go_to_w4a16(route, gluon, monkeypatch):
     assert select_linear(SM120, route, limit + 1, 5120, 5120).is_w4a4 == (route != "w4a16")
 
 
-def test_sm90_sends_t2_to_the_tensor_core_gemv():
-    assert select_linear(SM90, "triton", 2, 5120, 5120).kernel == "gluon_gemv_mma"
-    assert select_linear(SM120, "triton", 2, 5120, 5120).kernel == "gluon_gemv_fma"  # sm_120: unmeasured
+@pytest.mark.parametrize("cap", [Capability(120, 170), Capability(90, 132), Capability(120, 84)], ids=str)
+@pytest.mark.parametrize("t", [1, 2, 8, 9, 16])
+@pytest.mark.parametrize("n,k", [(10240, 5120), (8192, 28672), (40, 272)])
+def test_decode_sizes_go_to_the_streaming_kernel(cap, t, n, k):
+    """T <= 16 on the Gluon GPUs: the streaming kernel with the stream plan's tile and its one-wave grid."""
+    plan = select_linear(cap, "w4a16", t, n, k)
+    want = stream_plan(t, n, k, cap.sm_count, cap.major)
+    assert plan.kernel == "gluon_gemv_stream"
+    assert plan.kwargs == dict(vars(want.tile), ctas=want.ctas)
+    assert plan.kwargs["block_t"] == (8 if t <= 8 else 16)
+    assert StreamTile(**{key: v for key, v in plan.kwargs.items() if key != "ctas"}) in STREAM_TILES
+    # the same plan on a W4A4 route's decode rows
+    assert select_linear(cap, "triton", t, n, k) == plan
+
+
+def test_stream_wave_ctas_is_the_plans_grid():
+    for cap in (Capability(120, 170), Capability(90, 132)):
+        for t in (1, 8, 16):
+            plan = select_linear(cap, "w4a16", t, 5120, 5120)
+            assert stream_wave_ctas(cap, plan.kwargs, t) == plan.kwargs["ctas"]
 
 
 def test_gluon_gemv_only_on_sm120_and_sm90():
-    assert select_linear(SM120, "triton", 1, 5120, 5120).kernel == "gluon_gemv_fma"
-    assert select_linear(SM90, "triton", 1, 5120, 5120).kernel == "gluon_gemv_fma"
+    assert select_linear(SM120, "triton", 1, 5120, 5120).kernel == "gluon_gemv_stream"
+    assert select_linear(SM90, "triton", 1, 5120, 5120).kernel == "gluon_gemv_stream"
     assert select_linear(SM80, "triton", 1, 5120, 5120).kernel == "w4a16_gemv"
+
+
+def test_gluon_gemv_plan_keeps_the_sm90_t2_rule():
+    """The Gluon gemvs (the tools' ``registry.gemv`` and tune's candidates): on sm_90 T = 2 takes the tensor-core
+    tile (measured), on sm_120 the CUDA-core one (unmeasured)."""
+    assert gluon_gemv_plan(SM90, 2, 5120, 5120).kernel == "gluon_gemv_mma"
+    assert gluon_gemv_plan(SM120, 2, 5120, 5120).kernel == "gluon_gemv_fma"
 
 
 def test_b12x_and_cublas_small_t_thresholds():
@@ -76,8 +105,8 @@ def test_every_route_answers_every_t():
     for route in ROUTES:
         for t in (0, 1, 16, 17, 100_000):
             plan = select_linear(SM120, route, t, 5120, 5120)
-            # split_k and chunk_n are derived from the shape and SM count, not listed tile parameters
-            assert (plan.kernel, tuple(kv for kv in plan.params if kv[0] not in ("split_k", "chunk_n"))) in listed
+            # split_k, chunk_n and ctas are derived from the shape and SM count, not listed tile parameters
+            assert (plan.kernel, tuple(kv for kv in plan.params if kv[0] not in DERIVED_PARAMS)) in listed
 
 
 @pytest.mark.parametrize("cc,min_t", [(120, DEQUANT_MM_MIN_T_SM120), (90, DEQUANT_MM_MIN_T_PORTABLE),

@@ -673,3 +673,77 @@ def test_sm120_native_cvt_decode(gen):
     assert _gpu_decode() == gs.DECODE_CVT or pytest.skip("the ptxas in use emits a PTX ISA without the bf16 cvt")
     _check(gs.StreamTile(64, 8), 5, 5120, 8192, torch.bfloat16, gen, ctas=170, decode=gs.DECODE_CVT)
     _check(gs.StreamTile(64, 8), 5, 5120, 8192, torch.float16, gen, ctas=170, decode=gs.DECODE_CVT)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 7. GPU: the ready launch (what the linear op caches) and its per-stream counters
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,bias", [(1, False), (5, True), (9, False), (16, True)])
+def test_gpu_ready_launch_equals_the_validating_launcher(gen, t, bias):
+    """Bit-equal outputs, row tiles shared by several CTAs (partials and counters) included, on two calls."""
+    from vllm_nvfp4_sm120.dispatch.gemv_stream_plan import stream_plan
+
+    n, k, dev = 640, 3072, "cuda"  # 5 row tiles of 128 x 24 k-blocks over up to 396 CTAs
+    props = torch.cuda.get_device_properties(0)
+    plan = stream_plan(t, n, k, props.multi_processor_count, props.major)
+    p = make_linear(n, k, gen=gen, logical_widths=[n // 2, n // 2]).to(dev)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16).to(dev) if bias else None
+    run = gs.prepare_gemv_stream(t, n, k, dev, torch.bfloat16, tile=plan.tile, ctas=plan.ctas, has_bias=bias)
+    for _ in range(2):
+        x = torch.randn(t, k, generator=gen).to(torch.bfloat16).to(dev)
+        got = run(x, p.codes, p.scales.view(torch.uint8), p.dec_rows, b, torch.empty(t, n, dtype=x.dtype, device=dev))
+        want = gs.gemv_stream(x, p.codes, p.scales, p.dec_rows, tile=plan.tile, ctas=plan.ctas, bias=b)
+        assert torch.equal(got, want)
+        torch.testing.assert_close(got, linear_w4a16_ref(x, p.codes, p.scales, p.dec_rows, bias=b), rtol=1.6e-2,
+                                   atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_ready_launch_keeps_one_counter_tensor_per_stream(gen):
+    """Launches on two streams at once each get their own counters (shared counters would let one launch's
+    arrivals complete the other's tiles); each stream's tensor is back to zero after its launches."""
+    n, k, t, dev = 1280, 8192, 4, "cuda"
+    tile, ctas = gs.StreamTile(128, 8, 4, 2), 300
+    p = make_linear(n, k, gen=gen).to(dev)
+    run = gs.prepare_gemv_stream(t, n, k, dev, torch.bfloat16, tile=tile, ctas=ctas, has_bias=False)
+    xs = [torch.randn(t, k, generator=gen).to(torch.bfloat16).to(dev) for _ in range(2)]
+    want = [linear_w4a16_ref(x, p.codes, p.scales, p.dec_rows) for x in xs]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    outs = [[], []]
+    torch.cuda.synchronize()
+    for _ in range(20):  # interleaved launches, free to overlap
+        for i, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                outs[i].append(run(xs[i], p.codes, p.scales.view(torch.uint8), p.dec_rows, None,
+                                   torch.empty(t, n, dtype=torch.bfloat16, device=dev)))
+    torch.cuda.synchronize()
+    for i in range(2):
+        for got in outs[i]:
+            torch.testing.assert_close(got, want[i], rtol=1.6e-2, atol=1e-4)
+    made = run.counters.by_stream  # the tensors the launcher made, one per stream, all zero again
+    assert {s.cuda_stream for s in streams} <= set(made)
+    assert all(int(c.abs().sum()) == 0 for c in made.values())
+
+
+@pytest.mark.gpu
+def test_gpu_ready_launch_graph_replay_equals_eager(gen):
+    n, k, t, dev = 640, 3072, 3, "cuda"
+    props = torch.cuda.get_device_properties(0)
+    from vllm_nvfp4_sm120.dispatch.gemv_stream_plan import stream_plan
+
+    plan = stream_plan(t, n, k, props.multi_processor_count, props.major)
+    p = make_linear(n, k, gen=gen).to(dev)
+    run = gs.prepare_gemv_stream(t, n, k, dev, torch.bfloat16, tile=plan.tile, ctas=plan.ctas, has_bias=False)
+    x = torch.randn(t, k, generator=gen).to(torch.bfloat16).to(dev)
+    args = (p.codes, p.scales.view(torch.uint8), p.dec_rows, None)
+    eager = run(x, *args, torch.empty(t, n, dtype=x.dtype, device=dev))
+    g = torch.cuda.CUDAGraph()
+    out = torch.empty(t, n, dtype=x.dtype, device=dev)
+    with torch.cuda.graph(g):
+        run(x, *args, out)
+    for _ in range(3):
+        out.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)

@@ -56,7 +56,7 @@ SHIPPED_DIR = Path(__file__).resolve().parent.parent / "configs"
 SCHEMA_VERSION = 1
 MOE_FAMILIES = ("moe_w4a16", "moe_w4a4")
 # Parameters the dispatch derives per call from the shape and the SM count: not part of a measured tile.
-DERIVED_PARAMS = ("split_k", "chunk_n")
+DERIVED_PARAMS = ("split_k", "chunk_n", "ctas")
 # Where the Gluon MoE GEMMs run: sm_120 (their target) and sm_90 (the H200 proofs, portable decode).
 GLUON_MOE_FAMILIES = (Family.SM120, Family.SM90)
 
@@ -103,7 +103,7 @@ def moe_bucket(global_experts: int, top_k: int, hidden: int, intermediate: int) 
 
 
 _SHORT = {"block_m": "m", "block_n": "n", "block_k": "k", "block_t": "t", "num_warps": "w", "num_stages": "s",
-          "group_m": "g", "rows_per_warp": "r", "swap_ab": "swap"}
+          "group_m": "g", "rows_per_warp": "r", "row_warps": "rw", "swap_ab": "swap"}
 
 
 def choice_label(choice: dict) -> str:
@@ -208,7 +208,8 @@ def linear_tiles(arch: Family, kernel: str) -> list[dict]:
     kernel = L.LinearKernel(kernel)
     if kernel is L.LinearKernel.W4A16_GEMM:  # the Hopper-only tile spills on sm_120
         return [cfg for kind, cfg in L.w4a16_configs(arch) if kind == "gemm"]
-    if kernel in (L.LinearKernel.GLUON_GEMV_FMA, L.LinearKernel.GLUON_GEMV_MMA) and arch not in L.GLUON_GEMV_FAMILIES:
+    gluon = (L.LinearKernel.GLUON_GEMV_FMA, L.LinearKernel.GLUON_GEMV_MMA, L.LinearKernel.GLUON_GEMV_STREAM)
+    if kernel in gluon and arch not in L.GLUON_GEMV_FAMILIES:
         return []
     tiles = []
     for plan in L.all_linear_plans():
@@ -237,7 +238,8 @@ def kernel_max_t(kernel: str) -> int | None:
     the Triton gemv), past the tables' decode rows, so a measurement can move that switch either way."""
     from . import linear as L
 
-    decode = (L.LinearKernel.W4A16_GEMV, L.LinearKernel.GLUON_GEMV_FMA, L.LinearKernel.GLUON_GEMV_MMA)
+    decode = (L.LinearKernel.W4A16_GEMV, L.LinearKernel.GLUON_GEMV_FMA, L.LinearKernel.GLUON_GEMV_MMA,
+              L.LinearKernel.GLUON_GEMV_STREAM)
     return L.GLUON_GEMV_MAX_T if L.LinearKernel(kernel) in decode else None
 
 
@@ -251,6 +253,8 @@ def linear_plan_at(cap: Capability, kernel: str, tile: dict, t: int, n: int, k: 
         params["split_k"] = L.gemv_split_k(n, k, tile["block_n"], tile["block_k"], cap.sm_count, t)
     elif kernel is L.LinearKernel.W4A16_DEQUANT_MM:
         params["chunk_n"] = L.dequant_mm_chunk_n(t, n, k, cap.sm_count)
+    elif kernel is L.LinearKernel.GLUON_GEMV_STREAM:
+        params["ctas"] = L.stream_wave_ctas(cap, params, t)
     return L.LinearPlan(kernel, tuple(sorted(params.items())))
 
 

@@ -36,8 +36,10 @@ import triton
 
 from ..kernels.gluon_compat import gluon_enabled
 from ..kernels.gluon_gemv import MMA_BLOCK_M, FmaTile, MmaTile
+from ..kernels.gluon_gemv_stream import STREAM_TILES, StreamTile
 from ..kernels.w4a16_linear import GEMV_BLOCK_T
 from .configs import measured_linear_plan
+from .gemv_stream_plan import STREAM_MAX_T, stream_plan, wave_ctas
 from .hw import Capability, Family
 from .policy import current_policy
 
@@ -63,6 +65,7 @@ class LinearKernel(StrEnum):
     W4A16_DEQUANT_MM = "w4a16_dequant_mm"  # kernels/w4a16_dequant.py: dequantize row chunks + cuBLAS
     GLUON_GEMV_FMA = "gluon_gemv_fma"  # kernels/gluon_gemv.py, CUDA cores
     GLUON_GEMV_MMA = "gluon_gemv_mma"  # kernels/gluon_gemv.py, tensor cores
+    GLUON_GEMV_STREAM = "gluon_gemv_stream"  # kernels/gluon_gemv_stream.py, tensor cores, stream-K grid
     FI_W4A16 = "fi_w4a16"  # FlashInfer mm_bf16_fp4 on its prepared weight (kernels/fp4_routes.py)
 
     @property
@@ -329,8 +332,22 @@ def w4a16_plan(cap: Capability, t: int, n: int, k: int, *, small: bool) -> Linea
     return _p(LinearKernel.W4A16_GEMM, **W4A16_GEMM_CONFIGS[1])
 
 
+def gemv_stream_linear_plan(cap: Capability, t: int, n: int, k: int) -> LinearPlan:
+    """The streaming decode kernel with :func:`.gemv_stream_plan.stream_plan`'s tile and one-wave grid."""
+    plan = stream_plan(t, n, k, cap.sm_count, cap.major)
+    return _p(LinearKernel.GLUON_GEMV_STREAM, **vars(plan.tile), ctas=plan.ctas)
+
+
+def stream_wave_ctas(cap: Capability, tile: dict, t: int) -> int:
+    """The streaming kernel's derived ``ctas`` for ``tile`` (its fields as a dict): one full wave at T."""
+    return wave_ctas(StreamTile(**{key: tile[key] for key in ("block_m", "block_t", "num_warps", "row_warps")}),
+                     t, cap.sm_count, cap.major)
+
+
 def _w4a16_decode(cap: Capability, t: int, n: int, k: int) -> LinearPlan:
     if cap.family in GLUON_GEMV_FAMILIES and gluon_enabled():
+        if t <= STREAM_MAX_T:
+            return gemv_stream_linear_plan(cap, t, n, k)
         return gluon_gemv_plan(cap, t, n, k)
     return w4a16_plan(cap, t, n, k, small=True)
 
@@ -451,6 +468,8 @@ def all_linear_plans() -> list[LinearPlan]:
         seen.setdefault(_p(LinearKernel.W4A16_GEMV, **cfg))
     for kind, tile in all_gemv_tiles():
         seen.setdefault(_p(LinearKernel(f"gluon_gemv_{kind}"), **vars(tile)))
+    for tile in STREAM_TILES:
+        seen.setdefault(_p(LinearKernel.GLUON_GEMV_STREAM, **vars(tile)))
     for cfg in W4A16_GEMM_CONFIGS + W4A16_GEMM_CONFIGS_SM90:
         seen.setdefault(_p(LinearKernel.W4A16_GEMM, **cfg))
     return list(seen)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import (fp4_routes, gluon_gemv, gluon_moe_w4a4, gluon_moe_w4a16, moe_align, moe_decode, moe_w4a4,
+from ..kernels import (fp4_routes, gluon_gemv, gluon_gemv_stream, gluon_moe_w4a4, gluon_moe_w4a16, moe_align, moe_decode, moe_w4a4,
                        moe_w4a16)
 from ..kernels.act_quant import prepare_act_quant, quantize_act_nvfp4
 from ..kernels.w4a4_gemm import prepare_w4a4_gemm, w4a4_gemm
@@ -97,6 +97,12 @@ def _fi_w4a16(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha
     return run_flashinfer_w4a16(x, w_codes, w_scales, alpha, bias, w_dec_rows.shape[0], "cute-dsl")
 
 
+def _stream(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias, *, ctas, **tile):
+    codes, scales = _logical(w_codes, w_scales, w_dec_rows.shape[0], x.shape[1])
+    return gluon_gemv_stream.gemv_stream(x, codes, scales, w_dec_rows, bias=bias, ctas=ctas,
+                                         tile=gluon_gemv_stream.StreamTile(**tile))
+
+
 LINEAR_KERNELS: dict[LinearKernel, Callable[..., torch.Tensor]] = {
     LinearKernel.W4A4_TRITON: _w4a4_triton,
     LinearKernel.W4A4_CUBLAS: _w4a4_cublas,
@@ -106,6 +112,7 @@ LINEAR_KERNELS: dict[LinearKernel, Callable[..., torch.Tensor]] = {
     LinearKernel.W4A16_DEQUANT_MM: _w4a16(w4a16_dequant_mm),
     LinearKernel.GLUON_GEMV_FMA: _gluon(gluon_gemv.FmaTile, gluon_gemv.gemv_fma),
     LinearKernel.GLUON_GEMV_MMA: _gluon(gluon_gemv.MmaTile, gluon_gemv.gemv_mma),
+    LinearKernel.GLUON_GEMV_STREAM: _stream,
     LinearKernel.FI_W4A16: _fi_w4a16,
 }
 
@@ -183,6 +190,14 @@ def _ready_gluon(kind, tile_cls):
     return build
 
 
+def _ready_stream(tile, r: Ready):
+    tile = dict(tile)
+    ctas = tile.pop("ctas")
+    return _ready_weight_only(gluon_gemv_stream.prepare_gemv_stream(
+        r.t, r.n, r.k, r.device, r.dtype, tile=gluon_gemv_stream.StreamTile(**tile), ctas=ctas,
+        has_bias=r.has_bias), r)
+
+
 READY_LINEAR: dict[LinearKernel, Callable[..., Callable[..., torch.Tensor]]] = {
     LinearKernel.W4A4_TRITON: _ready_w4a4_triton,
     LinearKernel.W4A16_GEMV: _ready_w4a16(prepare_w4a16_gemv),
@@ -190,6 +205,7 @@ READY_LINEAR: dict[LinearKernel, Callable[..., Callable[..., torch.Tensor]]] = {
     LinearKernel.W4A16_DEQUANT_MM: _ready_w4a16(prepare_w4a16_dequant_mm),
     LinearKernel.GLUON_GEMV_FMA: _ready_gluon("fma", gluon_gemv.FmaTile),
     LinearKernel.GLUON_GEMV_MMA: _ready_gluon("mma", gluon_gemv.MmaTile),
+    LinearKernel.GLUON_GEMV_STREAM: _ready_stream,
 }
 
 

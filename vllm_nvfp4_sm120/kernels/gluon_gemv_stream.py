@@ -508,6 +508,59 @@ def gemv_stream(x, w_codes, w_scales, w_dec_rows, *, tile: StreamTile, ctas: int
     return out
 
 
+class StreamCounters:
+    """The arrival counters of one ready launch, one zeroed tensor per CUDA stream that launches it.
+
+    The kernel leaves its counters zero, so a tensor serves every later launch *in order* after it (CUDA-graph
+    replays included); two launches that may overlap must not share one.  Launches on one stream never overlap,
+    launches on two streams may (a model's side stream, two micro-batches), hence one tensor per stream: the
+    stream a launch is queued on, also while a CUDA graph is captured (its nodes then keep that capture stream's
+    tensor).  The lookup is a dict hit on the raw stream handle, the one Triton launches on."""
+
+    def __init__(self, numel: int, device):
+        self.numel, self.device = numel, torch.device(device)
+        self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.by_stream: dict[int, torch.Tensor] = {}
+
+    def get(self) -> torch.Tensor:
+        stream = triton.runtime.driver.active.get_current_stream(self._index)
+        cnt = self.by_stream.get(stream)
+        if cnt is None:
+            cnt = self.by_stream[stream] = torch.zeros(self.numel, dtype=torch.int32, device=self.device)
+        return cnt
+
+
+def prepare_gemv_stream(t: int, n: int, k: int, device, dtype, *, tile: StreamTile, ctas: int, has_bias: bool,
+                        decode: int | None = None):
+    """A ready launch of :func:`gemv_stream` for ``x [t, k]`` of ``dtype`` on ``device`` and an ``[n, k]`` weight:
+    grid, workspace sizes and compile-time arguments fixed here, once.  The returned
+    ``run(x, w_codes, w_scales_u8, w_dec_rows, bias, out) -> out`` checks nothing: its inputs are those
+    :func:`gemv_stream` accepts, with ``t, n, k > 0`` (the callers' trivial cases are theirs).  The partial sums
+    are a fresh buffer per call (every slot read is written first in the same launch); the counters are
+    :class:`StreamCounters`."""
+    from .launch import ReadyKernel
+
+    decode = default_stream_decode(torch.device(device), dtype) if decode is None else decode
+    if decode not in DECODE_NAMES:
+        raise ValueError(f"decode: expected one of {sorted(DECODE_NAMES)}, got {decode}")
+    grid = stream_grid(t, n, k, tile, ctas)
+    partials = grid.tiles_t * grid.ctas * grid.slots_per_cta * tile.block_m * tile.block_t
+    counters = StreamCounters(grid.tiles_t * grid.tiles_m, device)
+    launch = ReadyKernel(
+        _stream_kernel, (grid.ctas, grid.tiles_t), total_blocks=grid.total_blocks, slots_per_cta=grid.slots_per_cta,
+        HAS_BIAS=has_bias, DECODE=decode, EVEN_K=k % K_BLOCK == 0, BLOCK_M=tile.block_m, BLOCK_T=tile.block_t,
+        WARPS=tile.num_warps, ROW_WARPS=tile.row_warps, num_warps=tile.num_warps)
+
+    def run(x, w_codes, w_scales_u8, w_dec_rows, bias, out):
+        part = torch.empty(partials, dtype=torch.float32, device=device)
+        launch(x, w_codes.view(torch.int32), w_scales_u8, w_dec_rows, out if bias is None else bias, out, part,
+               counters.get(), t, n, k, x.stride(0), w_codes.stride(0) // 4, w_scales_u8.stride(0), out.stride(0))
+        return out
+
+    run.counters = counters  # for tests and diagnostics
+    return run
+
+
 def default_stream_decode(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> int:
     """The native cvt where gluon_gemv would use it (sm_100+ with a PTX ISA that has it), else the shift decode."""
     return DECODE_CVT if default_decode(device, dtype) == DECODE_CVT else DECODE_SHIFT
