@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vllm_nvfp4_sm120.bench import MOE_SHAPES, gpu_nvfp4  # noqa: E402
 from vllm_nvfp4_sm120.dispatch.hw import capability_of  # noqa: E402
-from vllm_nvfp4_sm120.dispatch.linear import select_linear  # noqa: E402
+from vllm_nvfp4_sm120.dispatch.linear import gemv_stream_linear_plan, select_linear  # noqa: E402
 from vllm_nvfp4_sm120.dispatch.moe import decode_tier_plan  # noqa: E402
 from vllm_nvfp4_sm120.dispatch.moe_flow import nvfp4_moe  # noqa: E402
 from vllm_nvfp4_sm120.dispatch.registry import LINEAR_KERNELS  # noqa: E402
@@ -52,13 +52,14 @@ def moe_case(name: str, t: int, gen: torch.Generator):
     return lambda: nvfp4_moe(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, plan=plan)
 
 
-def linear_case(nk: str, t: int, gen: torch.Generator):
+def linear_case(nk: str, t: int, gen: torch.Generator, stream: bool = False):
     n, k = map(int, nk.split("x"))
     dev = gen.device
     w = gpu_nvfp4((n, k), gen)
     dec = torch.full((n,), 0.01, device=dev)
     x = torch.randn(t, k, device=dev, generator=gen).to(torch.bfloat16)
-    plan = select_linear(capability_of(dev), "w4a16", t, n, k)
+    cap = capability_of(dev)
+    plan = gemv_stream_linear_plan(cap, t, n, k) if stream else select_linear(cap, "w4a16", t, n, k)
     print(f"linear {n}x{k} T={t}: {plan.kernel} {plan.kwargs}", flush=True)
     run = LINEAR_KERNELS[plan.kernel]
     return lambda: run(x, w.codes, w.scales, dec, None, None, None, None, **plan.kwargs)
@@ -68,10 +69,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--moe", default="qwen3-30b-a3b:1,16;deepseek-v3:1", help="name:T,T;name:T")
     p.add_argument("--linear", default="5120x25600:1;51200x5120:1", help="NxK:T,T;NxK:T")
+    p.add_argument("--linear-stream", default="", help="NxK:T,...: the streaming kernel's plan whatever the table "
+                   "picks (its kernel is _stream_kernel: add it to ncu's -k regex)")
     args = p.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
     cases = [(f"moe-{n}-T{t}", moe_case(n, t, gen)) for n, ts in _cases(args.moe) for t in ts]
     cases += [(f"linear-{nk}-T{t}", linear_case(nk, t, gen)) for nk, ts in _cases(args.linear) for t in ts]
+    cases += [(f"stream-{nk}-T{t}", linear_case(nk, t, gen, stream=True))
+              for nk, ts in _cases(args.linear_stream) for t in ts]
     for _, fn in cases:  # compile everything first: the profiled launches are the second calls
         fn()
     torch.cuda.synchronize()

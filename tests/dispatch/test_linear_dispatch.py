@@ -10,6 +10,7 @@ from vllm_nvfp4_sm120.dispatch.linear import (
     DEQUANT_MM_MIN_T_PORTABLE,
     DEQUANT_MM_MIN_T_SM120,
     DEQUANT_MM_MIN_WAVES,
+    STREAM_SMALL_LAYER_BYTES,
     ROUTE_PREFILL,
     ROUTES,
     W4A4_ROUTES,
@@ -26,7 +27,9 @@ from vllm_nvfp4_sm120.dispatch.linear import (
     select_linear,
     small_t_threshold,
     stream_wave_ctas,
+    uses_stream,
 )
+from vllm_nvfp4_sm120.dispatch.hw import Family
 from vllm_nvfp4_sm120.dispatch.configs import DERIVED_PARAMS
 from vllm_nvfp4_sm120.dispatch.gemv_stream_plan import stream_plan
 from vllm_nvfp4_sm120.kernels.gluon_gemv_stream import STREAM_TILES, StreamTile
@@ -53,8 +56,15 @@ def test_small_batches_go_to_w4a16(route, gluon, monkeypatch):
 @pytest.mark.parametrize("t", [1, 2, 8, 9, 16])
 @pytest.mark.parametrize("n,k", [(10240, 5120), (8192, 28672), (40, 272)])
 def test_decode_sizes_go_to_the_streaming_kernel(cap, t, n, k):
-    """T <= 16 on the Gluon GPUs: the streaming kernel with the stream plan's tile and its one-wave grid."""
+    """T <= 16 on the Gluon GPUs: the streaming kernel with the stream plan's tile and its one-wave grid, except on
+    sm_90 for layers under STREAM_SMALL_LAYER_BYTES at T = 1 and T = 9-16 (the per-row Gluon gemv, measured)."""
     plan = select_linear(cap, "w4a16", t, n, k)
+    small = cap.major == 9 and n * k * 9 // 16 < STREAM_SMALL_LAYER_BYTES[Family.SM90]
+    if small and (t == 1 or t > 8):
+        assert plan == gluon_gemv_plan(cap, t, n, k)
+        assert plan.kernel == ("gluon_gemv_fma" if t == 1 else "gluon_gemv_mma")
+        assert select_linear(cap, "triton", t, n, k) == plan
+        return
     want = stream_plan(t, n, k, cap.sm_count, cap.major)
     assert plan.kernel == "gluon_gemv_stream"
     assert plan.kwargs == dict(vars(want.tile), ctas=want.ctas)
@@ -64,16 +74,29 @@ def test_decode_sizes_go_to_the_streaming_kernel(cap, t, n, k):
     assert select_linear(cap, "triton", t, n, k) == plan
 
 
+def test_small_layer_rule_matches_the_measured_layers():
+    """The H200 rows the rule was read from (device run 47): per-row gemv on Qwen3-32B qkv and o at T = 1 and 16,
+    the streaming kernel on the Llama-3.3-70B o (the smallest layer where it won) and on the large layers."""
+    h200 = Capability(90, 132)
+    for n, k in ((10240, 5120), (5120, 8192)):
+        assert [uses_stream(h200, t, n, k) for t in (1, 2, 8, 9, 16)] == [False, True, True, False, False]
+    for n, k in ((8192, 8192), (10240, 8192), (51200, 5120), (5120, 25600), (57344, 8192), (8192, 28672)):
+        assert all(uses_stream(h200, t, n, k) for t in (1, 2, 8, 9, 16))
+    assert not uses_stream(h200, 17, 8192, 8192)
+    assert all(uses_stream(SM120, t, 5120, 8192) for t in (1, 9, 16))  # sm_120: unmeasured, streaming everywhere
+
+
 def test_stream_wave_ctas_is_the_plans_grid():
     for cap in (Capability(120, 170), Capability(90, 132)):
         for t in (1, 8, 16):
-            plan = select_linear(cap, "w4a16", t, 5120, 5120)
+            plan = select_linear(cap, "w4a16", t, 8192, 28672)
             assert stream_wave_ctas(cap, plan.kwargs, t) == plan.kwargs["ctas"]
 
 
 def test_gluon_gemv_only_on_sm120_and_sm90():
     assert select_linear(SM120, "triton", 1, 5120, 5120).kernel == "gluon_gemv_stream"
-    assert select_linear(SM90, "triton", 1, 5120, 5120).kernel == "gluon_gemv_stream"
+    assert select_linear(SM90, "triton", 2, 5120, 5120).kernel == "gluon_gemv_stream"
+    assert select_linear(SM90, "triton", 1, 5120, 5120).kernel == "gluon_gemv_fma"  # a small layer (14 MB)
     assert select_linear(SM80, "triton", 1, 5120, 5120).kernel == "w4a16_gemv"
 
 

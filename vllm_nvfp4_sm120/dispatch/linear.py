@@ -282,6 +282,23 @@ def _rows(cap: Capability, route: Route | str) -> list[Row]:
 # Triton split-K kernel in 27 of 28 (shape, T <= 32) rows, 1.04-2.75x, with the portable decode.
 GLUON_GEMV_FAMILIES = (Family.SM120, Family.SM90)
 
+# Within those, the streaming kernel (kernels/gluon_gemv_stream.py) serves T <= STREAM_MAX_T except where the
+# per-row Gluon gemv was measured faster: on the H200 (device run 47, docs/benchmarks.md) the streaming kernel was
+# faster or equal on the eight Qwen3-32B / Llama-3.3-70B linears at T = 2-8 (up to 1.8x, Llama down), and at T = 1
+# and 9-16 on every layer of >= 37 MB of codes + scales (1.0-1.8x), but slower on the two smaller ones (Qwen3-32B qkv,
+# 29.5 MB, and o, 23.6 MB) at T = 1 (19.9 / 18.9 us against the CUDA-core gemv's 15.7) and T = 16 (25.3 / 23.7
+# against the tensor-core gemv's 22.0 / 22.6).  Its time is ~10-12 us plus the bytes at ~3.2 TB/s (the one-wave
+# grid's prologue, few steps per CTA and the cross-CTA sum), so small layers keep the per-row gemv there.  sm_120:
+# no row measured; the streaming kernel everywhere, because the fixed part is about as long there while an RTX 5090
+# reads even the 23.6 MB layer for ~13 us at 1.8 TB/s (the H200 crossover is ~7.5 us of reading).
+STREAM_SMALL_LAYER_BYTES: dict[Family, int] = {Family.SM90: 32 << 20}
+
+
+def uses_stream(cap: Capability, t: int, n: int, k: int) -> bool:
+    """Whether a T <= STREAM_MAX_T call on a Gluon GPU runs the streaming kernel (the rule above)."""
+    small = n * k * 9 // 16 < STREAM_SMALL_LAYER_BYTES.get(cap.family, 0)  # codes + scales: 0.5625 B per weight
+    return t <= STREAM_MAX_T and not (small and (t <= 1 or t > 8))
+
 
 def gluon_gemv_plan(cap: Capability, t: int, n: int, k: int) -> LinearPlan:
     """The Gluon gemv kernel and tile (:func:`gluon_gemv_tile`)."""
@@ -346,7 +363,7 @@ def stream_wave_ctas(cap: Capability, tile: dict, t: int) -> int:
 
 def _w4a16_decode(cap: Capability, t: int, n: int, k: int) -> LinearPlan:
     if cap.family in GLUON_GEMV_FAMILIES and gluon_enabled():
-        if t <= STREAM_MAX_T:
+        if uses_stream(cap, t, n, k):
             return gemv_stream_linear_plan(cap, t, n, k)
         return gluon_gemv_plan(cap, t, n, k)
     return w4a16_plan(cap, t, n, k, small=True)
