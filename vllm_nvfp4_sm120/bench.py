@@ -109,7 +109,11 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
     from .dispatch.gemv_stream_plan import STREAM_MAX_T
     from .dispatch.linear import (W4A16_GEMV_MAX_T, dequant_mm_chunk_n, gemv_stream_linear_plan, gluon_gemv_plan,
                                   select_linear, w4a16_plan)
+    from .dispatch import configs
     from .dispatch.registry import LINEAR_KERNELS, Ready, prepare_linear
+
+    def _choice(plan):
+        return {"kernel": str(plan.kernel), "tile": {a: v for a, v in plan.params if a not in configs.DERIVED_PARAMS}}
 
     cap = capability_of(torch.device("cuda"))
     sm_count = cap.sm_count
@@ -157,6 +161,13 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
                     candidates[name] = lambda run=run, plan=plan: [
                         run(x, w.codes, w.scales, dec_rows, None, None, None, None, **plan.kwargs) for w in ws]
                     kernel_of[name] = plan.kernel
+                if "dispatch" in kernels:
+                    # What the w4a16 route's op runs at this T on this GPU (measured configs included), ready launch.
+                    plan = select_linear(cap, "w4a16", t, n, k)
+                    run = prepare_linear(plan, Ready(t, n, k, x.device, x.dtype, has_bias=False))
+                    name = f"ours-dispatch ({configs.choice_label(_choice(plan))})"
+                    candidates[name] = lambda run=run: [
+                        run(x, w.codes, w.scales, dec_rows, None, None, None, None) for w in ws]
                 if "stream" in kernels and t <= STREAM_MAX_T:
                     # The streaming kernel with the dispatch's tile and grid, through the ready launch the op caches.
                     plan = gemv_stream_linear_plan(cap, t, n, k)
