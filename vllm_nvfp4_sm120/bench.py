@@ -106,10 +106,10 @@ def _copies(bytes_per_copy: int, min_bytes: int) -> int:
 
 def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: list[str]) -> list[Row]:
     from .dispatch.hw import capability_of
+    from .dispatch import configs
     from .dispatch.gemv_stream_plan import STREAM_MAX_T
     from .dispatch.linear import (W4A16_GEMV_MAX_T, dequant_mm_chunk_n, gemv_stream_linear_plan, gluon_gemv_plan,
                                   select_linear, w4a16_plan)
-    from .dispatch import configs
     from .dispatch.registry import LINEAR_KERNELS, Ready, prepare_linear
 
     def _choice(plan):
