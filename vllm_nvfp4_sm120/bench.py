@@ -111,9 +111,7 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
     from .dispatch.linear import (W4A16_GEMV_MAX_T, dequant_mm_chunk_n, gemv_stream_linear_plan, gluon_gemv_plan,
                                   select_linear, w4a16_plan)
     from .dispatch.registry import LINEAR_KERNELS, Ready, prepare_linear
-
-    def _choice(plan):
-        return {"kernel": str(plan.kernel), "tile": {a: v for a, v in plan.params if a not in configs.DERIVED_PARAMS}}
+    from .tune import linear_choice
 
     cap = capability_of(torch.device("cuda"))
     sm_count = cap.sm_count
@@ -165,7 +163,7 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
                     # What the w4a16 route's op runs at this T on this GPU (measured configs included), ready launch.
                     plan = select_linear(cap, "w4a16", t, n, k)
                     run = prepare_linear(plan, Ready(t, n, k, x.device, x.dtype, has_bias=False))
-                    name = f"ours-dispatch ({configs.choice_label(_choice(plan))})"
+                    name = f"ours-dispatch ({configs.choice_label(linear_choice(plan))})"
                     candidates[name] = lambda run=run: [
                         run(x, w.codes, w.scales, dec_rows, None, None, None, None) for w in ws]
                 if "stream" in kernels and t <= STREAM_MAX_T:

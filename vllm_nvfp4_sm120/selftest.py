@@ -251,6 +251,16 @@ def _compile_gluon_moe_w4a4() -> str:
 
 # ---- on this GPU ------------------------------------------------------------------------------------------------
 
+def _need_gluon(min_major: int = 8, why: str = "") -> None:
+    """Skip unless the Gluon kernels are on and the GPU is at least sm_<min_major>0 (call after :func:`_need_cuda`)."""
+    from .kernels.gluon_compat import ENV_DISABLE, gluon_enabled
+
+    if not gluon_enabled():
+        raise Skip(f"Gluon kernels are off (Triton without Gluon >= 3.6, or {ENV_DISABLE}=1)")
+    if torch.cuda.get_device_capability()[0] < min_major:
+        raise Skip(f"needs sm_{min_major}0 or newer{why}")
+
+
 def _need_cuda() -> torch.device:
     if not torch.cuda.is_available():
         raise Skip("no CUDA GPU on this machine")
@@ -367,12 +377,8 @@ def _gpu_moe() -> str:
 def _gpu_gluon_gemv() -> str:
     dev = _need_cuda()
     from .dispatch import registry as gg
-    from .kernels.gluon_compat import ENV_DISABLE, gluon_enabled
 
-    if not gluon_enabled():
-        raise Skip(f"Gluon kernels are off (Triton without Gluon >= 3.6, or {ENV_DISABLE}=1)")
-    if torch.cuda.get_device_capability()[0] < 8:
-        raise Skip("needs sm_80 or newer")
+    _need_gluon()
     gen = torch.Generator().manual_seed(6)
     p = make_linear(256, 2048, gen=gen, logical_widths=[128, 128])
     worst = 0.0
@@ -390,12 +396,8 @@ def _gpu_gluon_gemv_stream() -> str:
     from .dispatch.hw import capability_of
     from .dispatch.linear import LinearKernel, select_linear
     from .dispatch.registry import Ready, prepare_linear
-    from .kernels.gluon_compat import ENV_DISABLE, gluon_enabled
 
-    if not gluon_enabled():
-        raise Skip(f"Gluon kernels are off (Triton without Gluon >= 3.6, or {ENV_DISABLE}=1)")
-    if torch.cuda.get_device_capability()[0] < 8:
-        raise Skip("needs sm_80 or newer")
+    _need_gluon()
     gen = torch.Generator().manual_seed(7)
     n, k = 640, 3072  # 5 row tiles x 24 k-blocks: several CTAs per row tile, so the counters and partials run
     p = make_linear(n, k, gen=gen, logical_widths=[n])
@@ -451,12 +453,8 @@ def _gpu_gluon_moe() -> str:
     from .dispatch import moe_flow as flow
     from .dispatch.moe import as_gluon
     from .format import make_moe_bank, moe_ref, topk_route
-    from .kernels.gluon_compat import ENV_DISABLE, gluon_enabled
 
-    if not gluon_enabled():
-        raise Skip(f"Gluon kernels are off (Triton without Gluon >= 3.6, or {ENV_DISABLE}=1)")
-    if torch.cuda.get_device_capability()[0] < 9:
-        raise Skip("needs sm_90 or newer (TMA, warp specialization)")
+    _need_gluon(9, " (TMA, warp specialization)")
     gen = torch.Generator().manual_seed(8)
     e, h, i, top_k, t = 8, 512, 256, 2, 256  # 64 routes per expert: the BLOCK_M 64 tier
     w13, w13_dec = make_moe_bank(e, 2 * i, h, gen=gen)

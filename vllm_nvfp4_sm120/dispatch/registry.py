@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import (fp4_routes, gluon_gemv, gluon_gemv_stream, gluon_moe_w4a4, gluon_moe_w4a16, moe_align, moe_decode, moe_w4a4,
-                       moe_w4a16)
+from ..kernels import (fp4_routes, gluon_gemv, gluon_gemv_stream, gluon_moe_w4a4, gluon_moe_w4a16, moe_align,
+                       moe_decode, moe_w4a4, moe_w4a16)
 from ..kernels.act_quant import prepare_act_quant, quantize_act_nvfp4
 from ..kernels.w4a4_gemm import prepare_w4a4_gemm, w4a4_gemm
 from ..kernels.w4a16_dequant import prepare_w4a16_dequant_mm, w4a16_dequant_mm
@@ -97,9 +97,10 @@ def _fi_w4a16(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha
     return run_flashinfer_w4a16(x, w_codes, w_scales, alpha, bias, w_dec_rows.shape[0], "cute-dsl")
 
 
-# Workspaces of the streaming kernel's validating adapter (tools and tune time it), one per (grid, tile, device,
-# stream) as the ready launch keeps its counters, so a timed call is the kernel alone, not a memset before it.
-_STREAM_WORKSPACES: dict[tuple, gluon_gemv_stream.StreamWorkspace] = {}
+# The streaming kernel's validating adapter (tools and tune time it) keeps its arrival counters the way the ready
+# launch does (one zeroed tensor per stream, here per count and device) and takes fresh partial sums per call, so
+# a timed call is the kernel alone, not a memset before it.
+_STREAM_COUNTERS: dict[tuple, gluon_gemv_stream.StreamCounters] = {}
 
 
 def _stream(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias, *, ctas, **tile):
@@ -108,10 +109,11 @@ def _stream(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, 
     ws = None
     if x.is_cuda and x.shape[0]:
         grid = gluon_gemv_stream.stream_grid(x.shape[0], codes.shape[0], x.shape[1], tile, ctas)
-        key = (grid, tile, x.device, torch.cuda.current_stream(x.device).cuda_stream)
-        ws = _STREAM_WORKSPACES.get(key)
-        if ws is None:
-            ws = _STREAM_WORKSPACES[key] = gluon_gemv_stream.StreamWorkspace.for_grid(grid, tile, x.device)
+        key = (grid.counters_numel, x.device)
+        if key not in _STREAM_COUNTERS:
+            _STREAM_COUNTERS[key] = gluon_gemv_stream.StreamCounters(*key)
+        ws = gluon_gemv_stream.StreamWorkspace(
+            torch.empty(grid.partials_numel(tile), dtype=torch.float32, device=x.device), _STREAM_COUNTERS[key].get())
     return gluon_gemv_stream.gemv_stream(x, codes, scales, w_dec_rows, bias=bias, ctas=ctas, tile=tile, workspace=ws)
 
 

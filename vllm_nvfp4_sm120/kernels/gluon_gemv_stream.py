@@ -186,6 +186,13 @@ class StreamGrid:
     def total_blocks(self) -> int:
         return self.tiles_m * self.blocks_per_row
 
+    @property
+    def counters_numel(self) -> int:
+        return self.tiles_t * self.tiles_m
+
+    def partials_numel(self, tile: StreamTile) -> int:
+        return self.tiles_t * self.ctas * self.slots_per_cta * tile.block_m * tile.block_t
+
 
 def stream_grid(t: int, n: int, k: int, tile: StreamTile, ctas: int) -> StreamGrid:
     """Clamp ``ctas`` to the number of blocks (every CTA gets at least one) and size the partial slots."""
@@ -213,19 +220,15 @@ class StreamWorkspace:
 
     @classmethod
     def for_grid(cls, grid: StreamGrid, tile: StreamTile, device) -> StreamWorkspace:
-        return cls(
-            torch.empty(grid.tiles_t * grid.ctas * grid.slots_per_cta * tile.block_m * tile.block_t,
-                        dtype=torch.float32, device=device),
-            torch.zeros(grid.tiles_t * grid.tiles_m, dtype=torch.int32, device=device),
-        )
+        return cls(torch.empty(grid.partials_numel(tile), dtype=torch.float32, device=device),
+                   torch.zeros(grid.counters_numel, dtype=torch.int32, device=device))
 
     def check(self, grid: StreamGrid, tile: StreamTile, device) -> None:
         from ..format.checks import check_tensor
 
         check_tensor("workspace.partials", self.partials, dtype=torch.float32, device=device)
         check_tensor("workspace.counters", self.counters, dtype=torch.int32, device=device)
-        need_p = grid.tiles_t * grid.ctas * grid.slots_per_cta * tile.block_m * tile.block_t
-        need_c = grid.tiles_t * grid.tiles_m
+        need_p, need_c = grid.partials_numel(tile), grid.counters_numel
         if self.partials.numel() < need_p or not self.partials.is_contiguous():
             raise ValueError(f"workspace.partials: expected a contiguous fp32 tensor of >= {need_p} elements, "
                              f"got shape {list(self.partials.shape)}")
@@ -544,8 +547,8 @@ def prepare_gemv_stream(t: int, n: int, k: int, device, dtype, *, tile: StreamTi
     if decode not in DECODE_NAMES:
         raise ValueError(f"decode: expected one of {sorted(DECODE_NAMES)}, got {decode}")
     grid = stream_grid(t, n, k, tile, ctas)
-    partials = grid.tiles_t * grid.ctas * grid.slots_per_cta * tile.block_m * tile.block_t
-    counters = StreamCounters(grid.tiles_t * grid.tiles_m, device)
+    partials = grid.partials_numel(tile)
+    counters = StreamCounters(grid.counters_numel, device)
     launch = ReadyKernel(
         _stream_kernel, (grid.ctas, grid.tiles_t), total_blocks=grid.total_blocks, slots_per_cta=grid.slots_per_cta,
         HAS_BIAS=has_bias, DECODE=decode, EVEN_K=k % K_BLOCK == 0, BLOCK_M=tile.block_m, BLOCK_T=tile.block_t,
