@@ -10,7 +10,9 @@ weight for cuBLAS); ``frac`` = that over the DRAM read bandwidth measured in the
 
 Candidates (``--candidates`` keeps those whose name contains one of the given substrings):
   stream-plan         the streaming kernel with dispatch.gemv_stream_plan's tile and grid (the proposal)
-  stream-<tile>...    the other tiles, grid sizes and decodes (``-table``: the lop3/prmt decode)
+  stream-<tile>...    every other tile of STREAM_TILES for that token block (``-32x8w4r1c128``: rows x tokens,
+                      warps, row warps, register cap), each on its one-wave grid; the planned tile on half and
+                      twice that grid; the lop3/prmt decode (``-table``)
   stream-2x8          T > 8 as two 8-token tiles (two passes over the weight in one launch)
   gluon-today         gluon_gemv.gemv_fma / gemv_mma with the tile the dispatch routes today
   cublas-bf16         x @ W^T on the dequantized bf16 weight
@@ -111,15 +113,13 @@ def stream_specs(t: int, sm: int, cc_major: int) -> list[tuple[str, tuple]]:
     plan = stream_plan(t, 0, 0, sm, cc_major)
     shift = gs.DECODE_SHIFT if cc_major < 10 else gs.DECODE_CVT
     out = [("stream-plan", ("stream", plan.tile, plan.ctas, shift))]
-    if t <= 8:
-        tiles = [gs.StreamTile(64, 8), gs.StreamTile(32, 8)]
-    else:
-        tiles = [gs.StreamTile(64, 16)]
+    if t > 8:
         two = gs.StreamTile(128, 8, 4, 2)
         out.append(("stream-2x8", ("stream", two, wave_ctas(two, t, sm, cc_major), shift)))
-    for tile in tiles:
-        name = f"stream-{tile.block_m}x{tile.block_t}w{tile.num_warps}r{tile.row_warps}"
-        out.append((name, ("stream", tile, wave_ctas(tile, t, sm, cc_major), shift)))
+    # every other tile of the token block T needs, each on its one-wave grid
+    for tile in gs.STREAM_TILES:
+        if tile != plan.tile and tile.block_t == (8 if t <= 8 else 16):
+            out.append((stream_name(tile), ("stream", tile, wave_ctas(tile, t, sm, cc_major), shift)))
     # grid sensitivity (half and twice the one-wave grid) and the table decode, on the planned tile
     out.append(("stream-plan-half-grid", ("stream", plan.tile, max(1, plan.ctas // 2), shift)))
     out.append(("stream-plan-2waves", ("stream", plan.tile, 2 * plan.ctas, shift)))
@@ -127,6 +127,12 @@ def stream_specs(t: int, sm: int, cc_major: int) -> list[tuple[str, tuple]]:
     out.append(("stream-plan-table", ("stream", plan.tile, 2 * sm // -(-t // plan.tile.block_t),
                                       gs.DECODE_PORTABLE)))
     return out
+
+
+def stream_name(tile) -> str:
+    """``stream-32x8w4r1`` (rows x tokens, warps, row warps), ``...c128`` with a register cap."""
+    cap = f"c{tile.max_regs}" if tile.max_regs else ""
+    return f"stream-{tile.block_m}x{tile.block_t}w{tile.num_warps}r{tile.row_warps}{cap}"
 
 
 def gluon_today_spec(t, n, k, sm, cc_major):

@@ -67,7 +67,7 @@ def test_decode_sizes_go_to_the_streaming_kernel(cap, t, n, k):
         return
     want = stream_plan(t, n, k, cap.sm_count, cap.major)
     assert plan.kernel == "gluon_gemv_stream"
-    assert plan.kwargs == dict(vars(want.tile), ctas=want.ctas)
+    assert plan.kwargs == dict(want.tile.params(), ctas=want.ctas)
     assert plan.kwargs["block_t"] == (8 if t <= 8 else 16)
     assert StreamTile(**{key: v for key, v in plan.kwargs.items() if key != "ctas"}) in STREAM_TILES
     # the same plan on a W4A4 route's decode rows

@@ -462,7 +462,7 @@ def compile_stream(tile, arch=120, decode=gs.DECODE_CVT, dtype="bf16", even_k=Tr
         consts = dict(HAS_BIAS=True, DECODE=decode, EVEN_K=even_k, BLOCK_M=tile.block_m, BLOCK_T=tile.block_t,
                       WARPS=tile.num_warps, ROW_WARPS=tile.row_warps)
         _compiled[key] = compile_kernel(KERNEL, sig, consts, arch=arch, num_warps=tile.num_warps,
-                                        divisible=gs.STREAM_DIVISIBLE, gluon=True)
+                                        divisible=gs.STREAM_DIVISIBLE, gluon=True, maxnreg=tile.max_regs)
     return _compiled[key]
 
 

@@ -27,9 +27,15 @@ STREAM_MAX_T = 16
 # tests/dispatch/test_gemv_stream_plan.py recompiles the tiles and checks the CTAs per SM these imply.
 TILE_REGISTERS = {
     9: {StreamTile(64, 8): 154, StreamTile(32, 8): 140, StreamTile(128, 8, 4, 2): 154,
-        StreamTile(64, 16): 218, StreamTile(128, 16, 4, 2): 218, StreamTile(32, 16): 182},
+        StreamTile(64, 16): 218, StreamTile(128, 16, 4, 2): 218, StreamTile(32, 16): 182,
+        StreamTile(32, 8, max_regs=128): 117, StreamTile(16, 8, max_regs=96): 92,
+        StreamTile(32, 8, 4, 2, max_regs=96): 91, StreamTile(64, 8, 4, 4, max_regs=96): 85,
+        StreamTile(32, 16, max_regs=168): 163},
     12: {StreamTile(64, 8): 145, StreamTile(32, 8): 141, StreamTile(128, 8, 4, 2): 145,
-         StreamTile(64, 16): 193, StreamTile(128, 16, 4, 2): 197, StreamTile(32, 16): 156},
+         StreamTile(64, 16): 193, StreamTile(128, 16, 4, 2): 197, StreamTile(32, 16): 156,
+         StreamTile(32, 8, max_regs=128): 113, StreamTile(16, 8, max_regs=96): 92,
+         StreamTile(32, 8, 4, 2, max_regs=96): 91, StreamTile(64, 8, 4, 4, max_regs=96): 82,
+         StreamTile(32, 16, max_regs=168): 158},
 }
 
 

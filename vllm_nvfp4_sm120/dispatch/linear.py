@@ -352,13 +352,16 @@ def w4a16_plan(cap: Capability, t: int, n: int, k: int, *, small: bool) -> Linea
 def gemv_stream_linear_plan(cap: Capability, t: int, n: int, k: int) -> LinearPlan:
     """The streaming decode kernel with :func:`.gemv_stream_plan.stream_plan`'s tile and one-wave grid."""
     plan = stream_plan(t, n, k, cap.sm_count, cap.major)
-    return _p(LinearKernel.GLUON_GEMV_STREAM, **vars(plan.tile), ctas=plan.ctas)
+    return _p(LinearKernel.GLUON_GEMV_STREAM, **plan.tile.params(), ctas=plan.ctas)
 
 
 def stream_wave_ctas(cap: Capability, tile: dict, t: int) -> int:
     """The streaming kernel's derived ``ctas`` for ``tile`` (its fields as a dict): one full wave at T."""
-    return wave_ctas(StreamTile(**{key: tile[key] for key in ("block_m", "block_t", "num_warps", "row_warps")}),
+    return wave_ctas(StreamTile(**{key: v for key, v in tile.items() if key in _STREAM_TILE_FIELDS}),
                      t, cap.sm_count, cap.major)
+
+
+_STREAM_TILE_FIELDS = frozenset(StreamTile.__dataclass_fields__)
 
 
 def _w4a16_decode(cap: Capability, t: int, n: int, k: int) -> LinearPlan:
@@ -486,7 +489,7 @@ def all_linear_plans() -> list[LinearPlan]:
     for kind, tile in all_gemv_tiles():
         seen.setdefault(_p(LinearKernel(f"gluon_gemv_{kind}"), **vars(tile)))
     for tile in STREAM_TILES:
-        seen.setdefault(_p(LinearKernel.GLUON_GEMV_STREAM, **vars(tile)))
+        seen.setdefault(_p(LinearKernel.GLUON_GEMV_STREAM, **tile.params()))
     for cfg in W4A16_GEMM_CONFIGS + W4A16_GEMM_CONFIGS_SM90:
         seen.setdefault(_p(LinearKernel.W4A16_GEMM, **cfg))
     return list(seen)

@@ -130,13 +130,14 @@ def compile_kernel(
     num_stages: int = 3,
     divisible: Sequence[str] | None = None,
     gluon: bool = False,
+    maxnreg: int | None = None,
     timeout: float = 600,
 ) -> CompiledKernel:
     """Compile ``kernel`` (``"package.module:name"`` or ``"/path/file.py:name"``) for ``cuda:arch``.
 
     ``signature`` maps every argument to a Triton type (``"*u8"``, ``"i32"``, ``"constexpr"``, ...);
     ``constexprs`` gives the constexpr values.  ``divisible`` names the arguments the JIT would mark divisible by
-    16 (default: every pointer).  Raises :class:`CompileError` if the compiler fails or aborts.
+    16 (default: every pointer).  ``maxnreg``: the launch option of that name (a register cap per thread).  Raises :class:`CompileError` if the compiler fails or aborts.
     Every ``constexpr`` of ``signature`` needs a value: one left out would compile as ``None``, i.e. silently check
     a different variant of the kernel than the one that runs.
     """
@@ -152,6 +153,7 @@ def compile_kernel(
         "num_stages": num_stages,
         "divisible": list(divisible) if divisible is not None else [k for k, v in signature.items() if v.startswith("*")],
         "gluon": gluon,
+        "maxnreg": maxnreg,
     }
     with tempfile.TemporaryDirectory(prefix="nvfp4-aot-") as tmp:
         out = Path(tmp)
@@ -219,6 +221,8 @@ def _worker(spec: dict, out: Path) -> None:
     else:
         src = ASTSource(fn, signature, constexprs, attrs)
     options = {"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]}
+    if spec.get("maxnreg"):
+        options["maxnreg"] = spec["maxnreg"]
     k = triton.compile(src, target=GPUTarget("cuda", spec["arch"], 32), options=options)
     (out / "kernel.ptx").write_text(k.asm["ptx"])
     (out / "kernel.ttgir").write_text(k.asm["ttgir"])

@@ -153,22 +153,47 @@ class StreamTile:
     block_t: int  # tokens per CTA: 8 or 16 (the mma N); more tokens run more token tiles over the weight
     num_warps: int = 4
     row_warps: int = 1  # warps splitting the rows; the other num_warps / row_warps interleave the 128-k blocks
+    # Registers per thread the compiler may use (the launch option ``maxnreg``; None: its own choice).  Registers
+    # decide how many CTAs an SM holds at once, i.e. the warps that hide each other's stalls and the bytes in
+    # flight; a cap is only worth it where the kernel still fits without spilling (the compile tests check).
+    max_regs: int | None = None
 
     def __post_init__(self):
         if self.block_t not in (8, 16) or self.num_warps not in (2, 4, 8) or self.row_warps not in (1, 2, 4):
             raise ValueError(f"StreamTile: unsupported {self}")
         if self.num_warps % self.row_warps or self.block_m not in tuple(r * self.row_warps for r in (16, 32, 64)):
             raise ValueError(f"StreamTile: {self}: needs 16, 32 or 64 rows per row warp and row_warps | num_warps")
+        if self.max_regs is not None and (self.max_regs % 8 or not 64 <= self.max_regs <= 255):
+            raise ValueError(f"StreamTile: {self}: max_regs must be None or a multiple of 8 in [64, 255]")
 
     @property
     def k_warps(self) -> int:
         return self.num_warps // self.row_warps
+
+    def params(self) -> dict:
+        """The tile as plan parameters (``StreamTile(**params)`` rebuilds it): its fields, ``max_regs`` only where
+        set, so the tiles without a cap keep the names and config rows they always had."""
+        out = dict(vars(self))
+        if out["max_regs"] is None:
+            del out["max_regs"]
+        return out
+
+    @property
+    def launch_options(self) -> dict:
+        """Triton launch options besides the constexprs: ``num_warps`` and, where set, ``maxnreg``."""
+        return {"num_warps": self.num_warps, **({"maxnreg": self.max_regs} if self.max_regs else {})}
 
 
 # Every tile the dispatch may pick (the tests compile and run each one).
 STREAM_TILES = (
     StreamTile(64, 8), StreamTile(32, 8), StreamTile(128, 8, 4, 2),
     StreamTile(64, 16), StreamTile(128, 16, 4, 2), StreamTile(32, 16),
+    # More CTAs per SM (fewer registers, fewer rows per warp): 4 or 5 of 4 warps at T <= 8 instead of 3, 3 at
+    # T = 9-16 instead of 2 (sm_90).  Each fits its cap without spilling on sm_90 and sm_120 (compile tests).
+    # (16 rows per warp at 16 tokens would also fit 3 CTAs, but at ~34 instructions per code word on sm_90
+    # instead of 28.6: each activation register serves half as many weight rows.)
+    StreamTile(32, 8, max_regs=128), StreamTile(16, 8, max_regs=96), StreamTile(32, 8, 4, 2, max_regs=96),
+    StreamTile(64, 8, 4, 4, max_regs=96), StreamTile(32, 16, max_regs=168),
 )
 
 
@@ -506,7 +531,7 @@ def gemv_stream(x, w_codes, w_scales, w_dec_rows, *, tile: StreamTile, ctas: int
         grid.total_blocks, grid.slots_per_cta,
         HAS_BIAS=bias is not None, DECODE=decode, EVEN_K=k % K_BLOCK == 0,
         BLOCK_M=tile.block_m, BLOCK_T=tile.block_t, WARPS=tile.num_warps, ROW_WARPS=tile.row_warps,
-        num_warps=tile.num_warps,
+        **tile.launch_options,
     )
     return out
 
@@ -552,7 +577,7 @@ def prepare_gemv_stream(t: int, n: int, k: int, device, dtype, *, tile: StreamTi
     launch = ReadyKernel(
         _stream_kernel, (grid.ctas, grid.tiles_t), total_blocks=grid.total_blocks, slots_per_cta=grid.slots_per_cta,
         HAS_BIAS=has_bias, DECODE=decode, EVEN_K=k % K_BLOCK == 0, BLOCK_M=tile.block_m, BLOCK_T=tile.block_t,
-        WARPS=tile.num_warps, ROW_WARPS=tile.row_warps, num_warps=tile.num_warps)
+        WARPS=tile.num_warps, ROW_WARPS=tile.row_warps, **tile.launch_options)
 
     def run(x, w_codes, w_scales_u8, w_dec_rows, bias, out):
         part = torch.empty(partials, dtype=torch.float32, device=device)
