@@ -1,14 +1,16 @@
 """Tile and grid of the streaming W4A16 decode kernel (``kernels.gluon_gemv_stream``) for a (T, N, K, GPU).
 
 The arithmetic below picks the built-in tile and grid; the H200 measured them (docs/benchmarks.md, "Linear decode
-with the streaming kernel in the table"): the one-wave grid beats half and twice its size on every shape timed, the
-128-row tiles are the best or within 3 % on the large layers, and the 32-row tile is 1.06-1.18x faster on the
-24-38 MB layers at T = 2-8 (that choice lives in the shipped H200 config, ``configs/``, not here).  sm_120:
-unmeasured.
+with the streaming kernel in the table" and "More CTAs per SM"): the one-wave grid beats half and twice its size on
+every shape timed, and the tile with the most CTAs per SM that keeps 32 rows per warp (a register cap: 4 CTAs at
+T <= 8, 3 at T = 9-16) is the best or within 3 % of it on every Qwen3-32B / Llama-3.3-70B layer: warps to hide each
+other's stalls and bytes in flight were what the 3-CTA tiles lacked.  Fewer rows per warp (16) fit 5 CTAs but
+re-read each activation for half as many weight rows, and lose on the large layers.  sm_120: unmeasured (the same
+caps compile there without spills).
 
 - Rows per CTA: every CTA re-reads the activations of its K range from L2: ``2 * T * K`` bytes per
-  ``0.5625 * block_m * K`` weight bytes, i.e. ``3.6 * T / block_m`` of the weight traffic.  128 rows (two row
-  warps of 64) keep that at 0.22x / 0.44x for T = 8 / 16.
+  ``0.5625 * block_m * K`` weight bytes, i.e. ``3.6 * T / block_m`` of the weight traffic (0.9x / 1.8x at 32 rows
+  and T = 8 / 16: L2 hits, which the measurement says cost less than the missing occupancy).
 - T = 9-16: one 16-token pass reads the weight once; two 8-token passes read it twice (the sweep times both).
 - Grid: stream-K over (row tile, 128-k block) pairs with exactly as many CTAs per SM as fit at once (registers
   decide), so every CTA is resident and streams the same number of blocks (+-1): one wave, no ragged tail.
@@ -56,9 +58,13 @@ class StreamPlan:
 def stream_plan(t: int, n: int, k: int, sm_count: int, cc_major: int = 12) -> StreamPlan:
     """The tile and grid for ``x [t, k] @ W [n, k]^T`` with T <= STREAM_MAX_T (more tokens: more token tiles)."""
     if t <= 8:
-        tile, why = StreamTile(128, 8, 4, 2), "T <= 8: one 8-token tile, 128 rows (activation re-reads 0.22x)"
+        tile, why = (StreamTile(32, 8, max_regs=128),
+                     "T <= 8: one 8-token tile, 32 rows capped at 128 registers: 4 CTAs per SM (H200: best or within "
+                     "3 % of the best tile on all 24 rows timed, 1.06-1.18x the 128-row tile)")
     else:
-        tile, why = StreamTile(128, 16, 4, 2), "T 9-16: one 16-token pass over the weight instead of two 8-token"
+        tile, why = (StreamTile(32, 16, max_regs=168),
+                     "T 9-16: one 16-token pass over the weight, 32 rows capped at 168 registers: 3 CTAs per SM on "
+                     "sm_90 (H200: best on 7 of 8 layers, 1.03-1.17x the 128-row tile)")
     return StreamPlan(tile, wave_ctas(tile, t, sm_count, cc_major), why)
 
 
