@@ -103,8 +103,9 @@ def _t_range(lo: int, hi: int | None) -> str:
 def _plan_str(plan: dispatch_linear.LinearPlan) -> str:
     kw = plan.kwargs
     if plan.kernel == dispatch_linear.LinearKernel.GLUON_GEMV_STREAM:
+        cap = f", <= {kw['max_regs']} registers" if kw.get("max_regs") else ""
         return (f"{plan.kernel} {kw['block_m']}x{kw['block_t']}, {kw['num_warps']} warps ({kw['row_warps']} over "
-                f"rows), {kw['ctas']} CTAs")
+                f"rows){cap}, {kw['ctas']} CTAs")
     if {"block_m", "block_n", "block_k"} <= kw.keys():
         return f"{plan.kernel} {kw['block_m']}x{kw['block_n']}x{kw['block_k']}, {kw.get('num_warps', '?')} warps"
     return plan.kernel

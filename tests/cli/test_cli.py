@@ -37,7 +37,7 @@ def test_inspect_reports_format_scales_and_plan(tiny, capsys, fmt, act):
     [linear] = plan["linear"]
     assert (linear["scheme"], linear["route"]) == (scheme, "triton" if act == "w4a4" else "w4a16")
     # decode sizes: a W4A16 kernel on the same weight, any route (the streaming Gluon gemv on sm_120 unless disabled)
-    assert linear["rows"][0]["kernel"].startswith("gluon_gemv_stream 128x8, 4 warps")
+    assert linear["rows"][0]["kernel"].startswith("gluon_gemv_stream 32x8, 4 warps (1 over rows), <= 128 registers")
     [moe] = plan["moe"]
     assert moe["scheme"] == scheme
     assert {row["plan"].split()[0] for row in moe["rows"]} == ({"w4a16", "w4a4"} if act == "w4a4" else {"w4a16"})

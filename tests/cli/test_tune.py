@@ -213,7 +213,7 @@ def test_summary_names_kept_and_moved_switches():
     points = tune.linear_points(H200, "w4a16", N, K, tokens=[1, 2, 159, 160])
     outcomes = _fake_run(points, {160: "w4a16_gemm k64 m128 n256 g8 s4 w8 swap1"})
     text = tune.format_summary(outcomes, "# header")
-    assert "built-in switch at T = 2 (gluon_gemv_fma t1 w4 r2 -> gluon_gemv_stream m128 t8 w4 rw2): kept" in text
+    assert "built-in switch at T = 2 (gluon_gemv_fma t1 w4 r2 -> gluon_gemv_stream m32 t8 regs128 w4 rw1): kept" in text
     assert "built-in switch at T = 160" in text and "not kept (T = 159: w4a16_gemm" in text
     assert "moved: 2.00x faster than built-in" in text
 
