@@ -306,7 +306,7 @@ def _compile(kind, tile: DecodeTile, extra: tuple = (), dtype: str = "bf16", arc
     if kind != "token":
         consts["SPLIT_K"] = tile.split_k
     return compile_kernel(f"vllm_nvfp4_sm120.kernels.moe_decode:{name}", sig, consts, divisible=div, arch=arch,
-                          num_warps=tile.num_warps, num_stages=tile.num_stages)
+                          num_warps=tile.num_warps, num_stages=tile.num_stages, maxnreg=tile.max_regs)
 
 
 def _compile_jobs():

@@ -118,8 +118,14 @@ class DecodeTile:
     split_k: int = 1  # gate_up and the atomic expert-major down: K splits, each its own program
     shift_decode: bool = False  # the shift decode (tensor cores; see the module docstring)
     k_warps: int = 1  # warps over K within the program (tensor cores; see above)
+    # Registers per thread the compiler may use (the launch option ``maxnreg``; None: its own choice): more
+    # programs per SM where registers, not the grid or shared memory, bound them (the compile tests check that a
+    # capped tile does not spill).
+    max_regs: int | None = None
 
     def __post_init__(self):
+        if self.max_regs is not None and (self.max_regs % 8 or not 64 <= self.max_regs <= 255):
+            raise ValueError(f"DecodeTile.max_regs: expected None or a multiple of 8 in [64, 255], got {self.max_regs}")
         for name in ("block_n", "block_k", "block_t", "num_warps", "k_warps"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
@@ -164,9 +170,12 @@ class DecodeTile:
                     USE_TMA=self.use_tma, EVICT_FIRST=self.evict_first, NUM_STAGES=self.num_stages,
                     SHIFT_DECODE=self.shift_decode, K_WARPS=self.k_warps)
 
-    def launch_kwargs(self, pdl_ok: bool) -> dict:
-        """``num_warps``, ``num_stages`` and, for a ``pdl`` tile where the device has it, ``launch_pdl``."""
+    def launch_kwargs(self, pdl_ok: bool = False) -> dict:
+        """``num_warps``, ``num_stages``, ``maxnreg`` where capped and, for a ``pdl`` tile where the device has it,
+        ``launch_pdl``."""
         kw = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.max_regs:
+            kw["maxnreg"] = self.max_regs
         if self.pdl and pdl_ok:
             kw["launch_pdl"] = True
         return kw
@@ -1310,7 +1319,7 @@ def prepare_moe_decode_gate_up(t: int, h: int, i: int, e: int, top_k: int, globa
         stride_om=stride_o, ACTIVATION=activation, HAS_MAP=has_map, BY_EXPERT=rows < s, ZERO=has_zero,
         S_BLOCK=route_block(s), FAST_DECODE=_fast_decode(device), EVEN_K=h % tile.block_k == 0,
         GDC=_gdc_ok(device), SPLIT_K=tile.split_k, **(tile.kernel_kwargs() | {"SHIFT_DECODE": shift}),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **tile.launch_kwargs(),
     ))
 
     def run(x, w13_codes, w_sf, w13_dec, topk_ids, emap, out=None, zero=None):
