@@ -50,7 +50,7 @@ def stream_variant(tile, arch, decode, dtype="bf16"):
     consts = dict(HAS_BIAS=False, DECODE=decode, EVEN_K=True, BLOCK_M=tile.block_m, BLOCK_T=tile.block_t,
                   WARPS=tile.num_warps, ROW_WARPS=tile.row_warps)
     rep = compile_kernel("vllm_nvfp4_sm120.kernels.gluon_gemv_stream:_stream_kernel", sig, consts, arch=arch,
-                         num_warps=tile.num_warps, divisible=gs.STREAM_DIVISIBLE, gluon=True)
+                         num_warps=tile.num_warps, divisible=gs.STREAM_DIVISIBLE, gluon=True, maxnreg=tile.max_regs)
     loop = main_loop(rep.sass)
     nbytes = 2 * (tile.block_m // tile.row_warps // 8) * 16  # two steps, 16 code bytes per row and lane
     return rep, _counts(dict(loop.ops), nbytes)

@@ -412,6 +412,21 @@ def test_stream_grid_and_ranges():
         gs.StreamTile(64, 12)
 
 
+@pytest.mark.parametrize("max_regs", [60, 100, 256])
+def test_register_cap_validation(max_regs):
+    with pytest.raises(ValueError, match="max_regs"):
+        gs.StreamTile(32, 8, max_regs=max_regs)
+
+
+def test_register_cap_is_a_launch_option_and_a_plan_parameter_only_where_set():
+    capped, plain = gs.StreamTile(32, 8, max_regs=128), gs.StreamTile(32, 8)
+    assert capped.launch_options == {"num_warps": 4, "maxnreg": 128}
+    assert plain.launch_options == {"num_warps": 4}
+    assert "max_regs" not in plain.params() and capped.params()["max_regs"] == 128
+    for tile in gs.STREAM_TILES:  # the parameters rebuild the tile
+        assert gs.StreamTile(**tile.params()) == tile
+
+
 # ------------------------------------------------------------------------------------------------------------
 # 4. Launcher checks (no launch on CPU: they fail or return before it)
 # ------------------------------------------------------------------------------------------------------------

@@ -261,14 +261,22 @@ def test_too_many_routes():
                                     dict(split_k=0), dict(split_k=9),
                                     dict(use_tma=True), dict(k_warps=4), dict(k_warps=3, num_warps=3),
                                     dict(k_warps=8, num_warps=8), dict(k_warps=2, num_warps=2, use_dot=False,
-                                                                         block_t=1)],
+                                                                         block_t=1),
+                                    dict(max_regs=100), dict(max_regs=256)],
                          ids=["block_n", "block_k", "block_t", "num_stages", "split_k-0", "split_k-9", "use_tma",
                               "k_warps-num_warps",
-                              "k_warps-pow2", "k_warps-slice", "k_warps-fma"])
+                              "k_warps-pow2", "k_warps-slice", "k_warps-fma", "max_regs-8", "max_regs-255"])
 def test_tile_validation(kwargs):
     base = dict(block_n=16, block_k=128, block_t=16, num_warps=2, num_stages=3, use_dot=True)
     with pytest.raises(ValueError, match="DecodeTile"):
         DecodeTile(**(base | kwargs))
+
+
+def test_register_cap_is_a_launch_option():
+    base = dict(block_n=16, block_k=128, block_t=16, num_warps=2, num_stages=3, use_dot=True)
+    assert DecodeTile(**base).launch_kwargs() == {"num_warps": 2, "num_stages": 3}
+    assert DecodeTile(**base, max_regs=176, pdl=True).launch_kwargs(True) == {
+        "num_warps": 2, "num_stages": 3, "maxnreg": 176, "launch_pdl": True}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -288,7 +288,8 @@ GLUON_GEMV_FAMILIES = (Family.SM120, Family.SM90)
 # and 9-16 on every layer of >= 37 MB of codes + scales (1.0-1.8x), but slower on the two smaller ones (Qwen3-32B qkv,
 # 29.5 MB, and o, 23.6 MB) at T = 1 (19.9 / 18.9 us against the CUDA-core gemv's 15.7) and T = 16 (25.3 / 23.7
 # against the tensor-core gemv's 22.0 / 22.6).  Its time is ~10-12 us plus the bytes at ~3.2 TB/s (the one-wave
-# grid's prologue, few steps per CTA and the cross-CTA sum), so small layers keep the per-row gemv there.  sm_120:
+# grid's prologue, few steps per CTA and the cross-CTA sum), so small layers keep the per-row gemv there (still so
+# with the register-capped tiles of run 49: 17.7 / 16.2 us at T = 1, 22.8 against 21.9 on qkv at T = 16).  sm_120:
 # no row measured; the streaming kernel everywhere, because the fixed part is about as long there while an RTX 5090
 # reads even the 23.6 MB layer for ~13 us at 1.8 TB/s (the H200 crossover is ~7.5 us of reading).
 STREAM_SMALL_LAYER_BYTES: dict[Family, int] = {Family.SM90: 32 << 20}
