@@ -40,7 +40,8 @@ def test_candidates(t, cc_major):
         assert kind == "stream" and tile in gs.STREAM_TILES and ctas >= 1 and decode in gs.DECODE_NAMES
     # every listed tile of the token block is a candidate, on its one-wave grid
     block_t = 8 if t <= 8 else 16
-    tiles = {tile: ctas for name, (_, tile, ctas, _) in specs if name == "stream-plan" or name == sweep.stream_name(tile)}
+    tiles = {tile: ctas for name, (_, tile, ctas, _) in specs
+             if name == "stream-plan" or name == sweep.stream_name(tile)}
     assert set(tiles) == {tile for tile in gs.STREAM_TILES if tile.block_t == block_t}
     assert all(ctas == sweep.wave_ctas(tile, t, 132, cc_major) for tile, ctas in tiles.items())
     assert sweep.selected("stream-plan", ["plan"]) and not sweep.selected("gemlite", ["stream"])

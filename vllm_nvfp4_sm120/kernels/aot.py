@@ -137,7 +137,8 @@ def compile_kernel(
 
     ``signature`` maps every argument to a Triton type (``"*u8"``, ``"i32"``, ``"constexpr"``, ...);
     ``constexprs`` gives the constexpr values.  ``divisible`` names the arguments the JIT would mark divisible by
-    16 (default: every pointer).  ``maxnreg``: the launch option of that name (a register cap per thread).  Raises :class:`CompileError` if the compiler fails or aborts.
+    16 (default: every pointer).  ``maxnreg``: the launch option of that name (a register cap per thread).
+    Raises :class:`CompileError` if the compiler fails or aborts.
     Every ``constexpr`` of ``signature`` needs a value: one left out would compile as ``None``, i.e. silently check
     a different variant of the kernel than the one that runs.
     """
