@@ -181,11 +181,9 @@ for _name, _splits in (("exp-n64k256-w2-st2-shift", (2, 3, 4)), ("exp-n32k256-w2
     _kind, _det, _tile = DOWN[_name]
     for _s in _splits:
         DOWN[f"{_name}-s{_s}"] = (_kind, _det, replace(_tile, split_k=_s))
-# The pointer-load down with a register cap ("-r176"): 255 registers hold 4 programs of 2 warps per SM on sm_90,
-# 176 hold 5 without spilling there (on sm_120 the cap spills 16 bytes: an sm_90 candidate only).  The streaming
-# linear kernel gained 1.06-1.18x from one more CTA per SM (device run 49).
-_kind, _det, _tile = DOWN["exp-n64k256-w2-st2-shift"]
-DOWN["exp-n64k256-w2-st2-shift-r176"] = (_kind, _det, replace(_tile, max_regs=176))
+# Device run 52 timed the pointer-load down with a register cap (replace(tile, max_regs=176): 5 programs of 2 warps
+# per SM on sm_90 instead of 4): 0.95-1.05x, not kept; it spills on sm_120, where every candidate here must compile
+# clean, so it is not a candidate.
 # Device run 42: every split was slower (s2 5-30 %, s3 / s4 up to 2x): more programs add their prologue and epilogue
 # (routing, addresses, the pipeline's first loads; the atomics of the whole [rows, 16] tile) to an issue-bound
 # kernel.  The other way: more rows per program, each prologue and each activation fragment shared by more rows.
