@@ -1,5 +1,5 @@
 """What the launchers of every kernel family share: the sm_120 shared-memory limit, the interpreter switch, the
-argument checks of the NVFP4 linear launchers and their no-launch results.
+register-cap launch option, the argument checks of the NVFP4 linear launchers and their no-launch results.
 
 Imports only the standard library at module level: ``aot`` (the compile harness, run in a fresh subprocess per
 kernel) takes its shared-memory limit from here.
@@ -11,6 +11,16 @@ import os
 
 # The CUDA programming guide's per-block shared-memory limit for compute capability 12.x (99 KB).
 SM120_MAX_SMEM_BYTES = 99 * 1024
+
+
+def register_cap_option(owner: str, max_regs: int | None) -> dict:
+    """A tile's register cap as Triton's ``maxnreg`` launch option (``{}`` without one), checked: the hardware
+    allocates registers per thread in units of 8, at most 255."""
+    if max_regs is None:
+        return {}
+    if max_regs % 8 or not 64 <= max_regs <= 255:
+        raise ValueError(f"{owner}.max_regs: expected None or a multiple of 8 in [64, 255], got {max_regs}")
+    return {"maxnreg": max_regs}
 
 
 def interpreting() -> bool:

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from .common import register_cap_option
 from .gluon_compat import HAS_GLUON, ampere, gl, gluon, require_gluon
 from .fp4_decode import SHIFT_BF16_BODY, SHIFT_EXP, SHIFT_F16_BODY, SHIFT_SCALE  # noqa: F401 (re-exported)
 from .gluon_common import DECODE_CVT, DECODE_PORTABLE, E2M1_ASM, default_decode
@@ -163,8 +164,7 @@ class StreamTile:
             raise ValueError(f"StreamTile: unsupported {self}")
         if self.num_warps % self.row_warps or self.block_m not in tuple(r * self.row_warps for r in (16, 32, 64)):
             raise ValueError(f"StreamTile: {self}: needs 16, 32 or 64 rows per row warp and row_warps | num_warps")
-        if self.max_regs is not None and (self.max_regs % 8 or not 64 <= self.max_regs <= 255):
-            raise ValueError(f"StreamTile: {self}: max_regs must be None or a multiple of 8 in [64, 255]")
+        register_cap_option("StreamTile", self.max_regs)
 
     @property
     def k_warps(self) -> int:
@@ -181,7 +181,7 @@ class StreamTile:
     @property
     def launch_options(self) -> dict:
         """Triton launch options besides the constexprs: ``num_warps`` and, where set, ``maxnreg``."""
-        return {"num_warps": self.num_warps, **({"maxnreg": self.max_regs} if self.max_regs else {})}
+        return {"num_warps": self.num_warps, **register_cap_option("StreamTile", self.max_regs)}
 
 
 # Every tile the dispatch may pick (the tests compile and run each one).

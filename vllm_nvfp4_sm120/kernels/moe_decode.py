@@ -71,6 +71,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
+from .common import register_cap_option
 from .fp4_decode import SHIFT_BF16_BODY, SHIFT_EXP, SHIFT_F16_BODY, SHIFT_SCALE, dequant_rows_16bit
 from .moe_common import gated_activation_f32, local_expert
 
@@ -124,8 +125,7 @@ class DecodeTile:
     max_regs: int | None = None
 
     def __post_init__(self):
-        if self.max_regs is not None and (self.max_regs % 8 or not 64 <= self.max_regs <= 255):
-            raise ValueError(f"DecodeTile.max_regs: expected None or a multiple of 8 in [64, 255], got {self.max_regs}")
+        register_cap_option("DecodeTile", self.max_regs)
         for name in ("block_n", "block_k", "block_t", "num_warps", "k_warps"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
@@ -173,9 +173,8 @@ class DecodeTile:
     def launch_kwargs(self, pdl_ok: bool = False) -> dict:
         """``num_warps``, ``num_stages``, ``maxnreg`` where capped and, for a ``pdl`` tile where the device has it,
         ``launch_pdl``."""
-        kw = dict(num_warps=self.num_warps, num_stages=self.num_stages)
-        if self.max_regs:
-            kw["maxnreg"] = self.max_regs
+        kw = dict(num_warps=self.num_warps, num_stages=self.num_stages,
+                  **register_cap_option("DecodeTile", self.max_regs))
         if self.pdl and pdl_ok:
             kw["launch_pdl"] = True
         return kw
