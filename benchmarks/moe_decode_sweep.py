@@ -40,6 +40,7 @@ from vllm_nvfp4_sm120.kernels.moe_decode import (  # noqa: E402
     moe_decode_gate_up,
     tma_ok,
 )
+from vllm_nvfp4_sm120.kernels.moe_decode_fused import check_fused_tiles, fused_workspace, moe_decode_fused  # noqa: E402
 
 SHAPES = {  # name: (H, I, E, top_k)
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -192,6 +193,41 @@ for _name, _splits in (("exp-n64k256-w2-st2-shift", (2, 3, 4)), ("exp-n32k256-w2
 # sm_120.)  One warp over 64 stacked gate_up rows: each activation fragment shared by 64 rows.
 GATE_UP["gu-n32k128-w1-st3-shift"] = DecodeTile(32, 128, 16, num_warps=1, num_stages=3, use_dot=True,
                                                 shift_decode=True)
+# One launch for the whole layer (kernels/moe_decode_fused.py): "<down>-fused" is that down tile as the down items
+# of the fused kernel, paired in --pairs with a gate_up tile of the same num_warps (pairs only: there is no down
+# kernel to time alone).  The pointer-load downs of the table, one with four warps over K for the T = 1 gate_up
+# tile (4 warps), and one warp over 32 rows for the one-warp wide gate_up.
+DOWN["exp-n64k256-kw4-st2-shift"] = ("expert", False, DecodeTile(64, 256, 16, num_warps=4, num_stages=2,
+                                                                 use_dot=True, k_warps=4, shift_decode=True))
+DOWN["exp-n32k128-w1-st3-shift"] = ("expert", False, DecodeTile(32, 128, 16, num_warps=1, num_stages=3,
+                                                                use_dot=True, shift_decode=True))
+DOWN["exp-n32k256-kw4-st2-shift"] = ("expert", False, DecodeTile(32, 256, 16, num_warps=4, num_stages=2,
+                                                                 use_dot=True, k_warps=4, shift_decode=True))
+DOWN["exp-n32k256-w2-st2-shift"] = ("expert", False, DecodeTile(32, 256, 16, num_warps=2, num_stages=2,
+                                                                use_dot=True, shift_decode=True))
+for _name in ("exp-n64k256-w2-st2-shift", "exp-n64k256-kw4-st2-shift", "exp-n32k256-kw4-st2-shift",
+              "exp-n32k128-w1-st3-shift"):
+    DOWN[_name + "-fused"] = ("fused", True, DOWN[_name][2])
+# The fused kernel holds both kinds of item, and its register count is the larger of the two.  Without a cap the
+# compiler gives the T >= 3 pairs 168-186 registers and spills 8-168 bytes (sm_90 and sm_120): the grid row of a
+# gate_up item lives across its whole body, and the 64-row pointer-load down alone takes 255.  Capped at 248
+# ("-r248", both tiles) they take 217-248 without spilling: 4 programs of 2 warps per SM, fewer than the gate_up
+# kernel alone holds.  (Caps of 128-144 on the T = 1 pairs, for 4 programs of 4 warps, spill 24-96 bytes on sm_120.)
+for _name in ("gu-n32k128-w2-st3-shift",):
+    GATE_UP[_name + "-r248"] = replace(GATE_UP[_name], max_regs=248)
+for _name in ("exp-n64k256-w2-st2-shift", "exp-n32k256-w2-st2-shift"):
+    DOWN[_name + "-r248-fused"] = ("fused", True, replace(DOWN[_name][2], max_regs=248))
+# The fused pairs (--pairs GATE_UP+DOWN), named by the table row they would replace: the T = 1 row's gate_up (4
+# warps over K), the T = 2 row's, the T >= 3 row's, the wide gate_up of H = 7168; each compiles without local
+# memory for sm_90 and sm_120 (test_moe_decode_fused.py).
+FUSED_PAIRS = {
+    "t1": ("gu-n16k256-kw4-st3-shift", "exp-n32k256-kw4-st2-shift-fused"),
+    "t1-n64": ("gu-n16k256-kw4-st3-shift", "exp-n64k256-kw4-st2-shift-fused"),
+    "t2": ("gu-n16k128-w2-st3", "exp-n64k256-w2-st2-shift-fused"),
+    "t4": ("gu-n32k128-w2-st3-shift-r248", "exp-n64k256-w2-st2-shift-r248-fused"),
+    "t4-n32": ("gu-n32k128-w2-st3-shift-r248", "exp-n32k256-w2-st2-shift-r248-fused"),
+    "wide": ("gu-n32k128-w1-st3-shift", "exp-n32k128-w1-st3-shift-fused"),
+}
 # What a run sweeps without --gate-up / --down (about ten kernel tiles: each compiles once per routing bucket, and
 # the compiles are most of the ~4 minutes); the others are there for a focused second run.
 DEFAULT_GATE_UP = ("gu-n16k256-w2-tma", "gu-n16k512-w2-tma", "gu-n8k256-w1-tma", "gu-n32k256-w4-tma",
@@ -300,6 +336,14 @@ def sweep(args) -> dict:
     for pair in pairs:
         if len(pair) != 2 or pair[0] not in GATE_UP or pair[1] not in DOWN:
             raise SystemExit(f"--pairs: expected GATE_UP+DOWN names, got {'+'.join(pair)!r}")
+        if DOWN[pair[1]][0] == "fused":
+            try:
+                check_fused_tiles(GATE_UP[pair[0]], DOWN[pair[1]][2])
+            except ValueError as exc:
+                raise SystemExit(f"--pairs {'+'.join(pair)}: {exc}") from None
+    fused = [n for n in down_names if n in DOWN and DOWN[n][0] == "fused"]
+    if fused:
+        raise SystemExit(f"--down: {fused} are the fused kernel's down items: time them in --pairs")
     if pairs and not args.gate_up and not args.down:  # only the pairs: no tile timed alone
         gate_names, down_names = [], []
     rows = []
@@ -347,10 +391,17 @@ def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_re
            "floor_us": floor_us, "dram_read_tbs": clock.read_tbs, "copies": copies, "gate_up_us": {}, "down_us": {},
            "errors": {}, "failed": [], "pairs_us": {}}
 
+    controls = {}  # the fused kernel's control block per down tile: zero before the first call, left zero
+
     def layer(gname, dname, c, out=None):
         (c13, s13, d13), (c2, s2, d2) = banks[c]
         kind, det, dtile = DOWN[dname]
         tw, ti = routes[c]
+        if kind == "fused":
+            if dname not in controls:
+                controls[dname] = fused_workspace(t, k, e, h, dtile, device)
+            return moe_decode_fused(x, c13, s13, d13, c2, s2, d2, tw, ti, gate_up_tile=GATE_UP[gname],
+                                    down_tile=dtile, control=controls[dname], out=out)
         return moe_decode(x, c13, s13, d13, c2, s2, d2, tw, ti, gate_up_tile=GATE_UP[gname], down_tile=dtile,
                           down=kind, deterministic=det, out=out)
 

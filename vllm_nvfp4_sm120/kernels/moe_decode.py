@@ -619,14 +619,21 @@ def _load_tile(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, desc_p, 
 
 
 @triton.jit
-def _load_act(a_ptr, a_rows, a_ok, stride_a, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Activation rows ``a_rows`` (masked by ``a_ok``) of K tile ``k0`` as the MMA's ``[BLOCK_K, BLOCK_T]``."""
+def _load_act(a_ptr, a_rows, a_ok, stride_a, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              A_CG: tl.constexpr = False):
+    """Activation rows ``a_rows`` (masked by ``a_ok``) of K tile ``k0`` as the MMA's ``[BLOCK_K, BLOCK_T]``.
+    ``A_CG``: from L2 (``.cg``), for rows another program of the same launch wrote: this SM's L1 may hold a stale
+    copy of a line they share with a row read earlier."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     ptrs = a_ptr + a_rows[None, :].to(tl.int64) * stride_a + offs_k[:, None]
     if EVEN_K:
-        a = tl.load(ptrs, mask=a_ok[None, :], other=0.0)
+        mask = a_ok[None, :]
     else:
-        a = tl.load(ptrs, mask=a_ok[None, :] & (offs_k < K)[:, None], other=0.0)
+        mask = a_ok[None, :] & (offs_k < K)[:, None]
+    if A_CG:
+        a = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        a = tl.load(ptrs, mask=mask, other=0.0)
     return a
 
 
@@ -635,12 +642,12 @@ def _expert_rows_product(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok
                          stride_a, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                          USE_DOT: tl.constexpr, USE_TMA: tl.constexpr, FAST_DECODE: tl.constexpr,
                          EVICT_FIRST: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                         SHIFT: tl.constexpr, K_WARPS: tl.constexpr):
+                         SHIFT: tl.constexpr, K_WARPS: tl.constexpr, A_CG: tl.constexpr = False):
     """``[ROWS, BLOCK_T]`` fp32: one expert's weight rows (see :func:`_load_tile`) times the activation rows
-    ``a_rows`` of ``a``, over K."""
+    ``a_rows`` of ``a``, over K (``A_CG`` as :func:`_load_act`)."""
     return _expert_rows_product_range(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, desc_p, desc_n, a_ptr,
                                       a_rows, a_ok, stride_a, 0, K, K, ROWS, BLOCK_K, BLOCK_T, USE_DOT, USE_TMA,
-                                      FAST_DECODE, EVICT_FIRST, EVEN_K, NUM_STAGES, SHIFT, K_WARPS)
+                                      FAST_DECODE, EVICT_FIRST, EVEN_K, NUM_STAGES, SHIFT, K_WARPS, A_CG)
 
 
 @triton.jit
@@ -648,14 +655,15 @@ def _expert_rows_product_range(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, 
                                a_rows, a_ok, stride_a, k_lo, k_hi, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                                BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
                                FAST_DECODE: tl.constexpr, EVICT_FIRST: tl.constexpr, EVEN_K: tl.constexpr,
-                               NUM_STAGES: tl.constexpr, SHIFT: tl.constexpr, K_WARPS: tl.constexpr):
+                               NUM_STAGES: tl.constexpr, SHIFT: tl.constexpr, K_WARPS: tl.constexpr,
+                               A_CG: tl.constexpr = False):
     """:func:`_expert_rows_product` over the K tiles ``k_lo .. k_hi`` (multiples of ``BLOCK_K``; the bank's K masks
-    the last one)."""
+    the last one); ``A_CG`` as :func:`_load_act`."""
     acc = _acc_init(ROWS, BLOCK_K, BLOCK_T, USE_DOT, K_WARPS)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         w, s = _load_tile(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, desc_p, desc_n, k0, K, ROWS,
                           BLOCK_K, USE_TMA, EVICT_FIRST, EVEN_K)
-        a = _load_act(a_ptr, a_rows, a_ok, stride_a, k0, K, BLOCK_K, EVEN_K)
+        a = _load_act(a_ptr, a_rows, a_ok, stride_a, k0, K, BLOCK_K, EVEN_K, A_CG)
         acc = _tile_product(w, s, a, acc, ROWS, BLOCK_K, a_ptr.dtype.element_ty, USE_DOT, FAST_DECODE,
                             SHIFT and FAST_DECODE, K_WARPS)
     return _acc_finish(acc, USE_DOT, SHIFT and FAST_DECODE, K_WARPS)
@@ -727,6 +735,36 @@ def _gate_up_split(x_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, out_ptr, p
             tl.store(out_ptrs, inter.to(out_ptr.dtype.element_ty), mask=(offs_n < I)[:, None] & r_ok[None, :])
 
 
+@triton.jit
+def _gate_up_columns(x_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, out_ptr, pid_n, e, seen, count, I, K, top_k,
+                     stride_xt, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, ACTIVATION: tl.constexpr,
+                     FAST_DECODE: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr, EVICT_FIRST: tl.constexpr,
+                     NUM_STAGES: tl.constexpr, SHIFT_DECODE: tl.constexpr, K_WARPS: tl.constexpr):
+    """Intermediate columns ``pid_n * BLOCK_N ..`` of every route to expert ``e`` (whole K, one program)."""
+    # Stacked tile: rows 0..BLOCK_N are gate rows n, rows BLOCK_N..2 BLOCK_N the up rows I + n (the TMA box
+    # [2, BLOCK_N, .] of the bank viewed as [2E, I, K/2]).
+    r = tl.arange(0, 2 * BLOCK_N)
+    col = pid_n * BLOCK_N + r % BLOCK_N
+    w_row = ((r // BLOCK_N) * I + col).to(tl.int64)
+    row_ok = col < I
+    e64 = e.to(tl.int64)
+    w_rows = e64 * stride_we + w_row * stride_wn
+    s_rows = e64 * stride_wse + w_row * stride_wsn
+    dec = tl.load(w_dec_ptr + e)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    for c0 in range(0, count, BLOCK_T):
+        route, r_ok = _chunk_routes(seen, c0, count, BLOCK_T)
+        acc = _expert_rows_product(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, 2 * e,
+                                   pid_n * BLOCK_N, x_ptr, route // top_k, r_ok, stride_xt, K, 2 * BLOCK_N,
+                                   BLOCK_K, BLOCK_T, USE_DOT, USE_TMA, FAST_DECODE, EVICT_FIRST, EVEN_K,
+                                   NUM_STAGES, SHIFT_DECODE, K_WARPS)
+        gate, up = acc.reshape(2, BLOCK_N, BLOCK_T).permute(1, 2, 0).split()
+        inter = gated_activation_f32(gate * dec, up * dec, ACTIVATION)
+        out_ptrs = out_ptr + route[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+        tl.store(out_ptrs, inter.to(out_ptr.dtype.element_ty), mask=(offs_n < I)[:, None] & r_ok[None, :])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------------------------
@@ -757,27 +795,10 @@ def _moe_decode_gate_up_kernel(
                        stride_om, tl.num_programs(1), ACTIVATION, FAST_DECODE, EVEN_K, USE_TMA, SPLIT_K, BLOCK_N,
                        BLOCK_K, BLOCK_T, USE_DOT, EVICT_FIRST, NUM_STAGES, SHIFT_DECODE, K_WARPS)
     elif live:
-        # Stacked tile: rows 0..BLOCK_N are gate rows n, rows BLOCK_N..2 BLOCK_N the up rows I + n (the TMA box
-        # [2, BLOCK_N, .] of the bank viewed as [2E, I, K/2]).
-        r = tl.arange(0, 2 * BLOCK_N)
-        col = pid_n * BLOCK_N + r % BLOCK_N
-        w_row = ((r // BLOCK_N) * I + col).to(tl.int64)
-        row_ok = col < I
-        e64 = e.to(tl.int64)
-        w_rows = e64 * stride_we + w_row * stride_wn
-        s_rows = e64 * stride_wse + w_row * stride_wsn
-        dec = tl.load(w_dec_ptr + e)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        for c0 in range(0, count, BLOCK_T):
-            route, r_ok = _chunk_routes(seen, c0, count, BLOCK_T)
-            acc = _expert_rows_product(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, row_ok, 2 * e,
-                                       pid_n * BLOCK_N, x_ptr, route // top_k, r_ok, stride_xt, K, 2 * BLOCK_N,
-                                       BLOCK_K, BLOCK_T, USE_DOT, USE_TMA, FAST_DECODE, EVICT_FIRST, EVEN_K,
-                                       NUM_STAGES, SHIFT_DECODE, K_WARPS)
-            gate, up = acc.reshape(2, BLOCK_N, BLOCK_T).permute(1, 2, 0).split()
-            inter = gated_activation_f32(gate * dec, up * dec, ACTIVATION)
-            out_ptrs = out_ptr + route[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-            tl.store(out_ptrs, inter.to(out_ptr.dtype.element_ty), mask=(offs_n < I)[:, None] & r_ok[None, :])
+        _gate_up_columns(x_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, out_ptr, pid_n, e, seen, count, I, K,
+                         top_k, stride_xt, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, ACTIVATION,
+                         FAST_DECODE, EVEN_K, USE_TMA, BLOCK_N, BLOCK_K, BLOCK_T, USE_DOT, EVICT_FIRST, NUM_STAGES,
+                         SHIFT_DECODE, K_WARPS)
 
 
 @triton.jit
