@@ -13,10 +13,13 @@ import torch
 from vllm_nvfp4_sm120.dispatch.hw import NO_GPU, Capability
 from vllm_nvfp4_sm120.dispatch.moe import (
     W4A4_MIN_TOKENS_PER_EXPERT,
+    DecodeDown,
     all_moe_plans,
     decode_tier_plan,
+    fused_decode_plan,
     select_moe_plan,
 )
+from vllm_nvfp4_sm120.kernels.moe_decode import DecodeTile
 
 SM120, SM90 = Capability(120), Capability(90)
 from vllm_nvfp4_sm120.dispatch.moe_flow import nvfp4_moe
@@ -313,6 +316,52 @@ def test_decode_bad_input_is_named(gen):
         nvfp4_moe(x, w13.codes, w13.scales[:, :, :3], d13, w2.codes, w2.scales, d2, tw, ti, plan=plan)
     with pytest.raises((TypeError, ValueError), match="x: expected dtype"):
         nvfp4_moe(x.float(), *args, tw, ti, plan=plan)
+
+
+# The one-launch plan (DecodeDown.FUSED) on small tiles: gate_up of 16 stacked rows and a 16-row down over 4 warps
+# (as kernels/test_moe_decode_fused.py), and the same tiles with two warps over K.
+FUSED_TILES = {
+    "w4": (DecodeTile(8, 32, 16, num_warps=4, num_stages=2, use_dot=True),
+           DecodeTile(16, 32, 16, num_warps=4, num_stages=2, use_dot=True)),
+    "kw2": (DecodeTile(8, 64, 16, num_warps=2, num_stages=2, use_dot=True, k_warps=2),
+            DecodeTile(16, 64, 16, num_warps=2, num_stages=2, use_dot=True, k_warps=2)),
+}
+
+
+def _fused_plan(tiles="w4"):
+    return fused_decode_plan(SM90, *FUSED_TILES[tiles], hidden=112, intermediate=96)
+
+
+@pytest.mark.parametrize("tiles", list(FUSED_TILES))
+@pytest.mark.parametrize("t,top_k,skewed", [(0, 2, False), (1, 1, False), (5, 3, False), (16, 2, True)])
+def test_fused_decode_plan_matches_reference_and_two_launch_bits(tiles, t, top_k, skewed, gen):
+    # The one launch computes what the two-launch plan with the deterministic expert-major down computes, bit for
+    # bit, in either mode (its top-k sum is in slot order).
+    fused = _fused_plan(tiles)
+    assert (fused.decode_down, fused.impl, fused.tma) == ("fused", "decode", (False, False))
+    two = replace(fused, decode_down=DecodeDown.EXPERT)
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+    kw = dict(e=8, h=112, i=96, skewed=skewed)
+    a = run_case(fused, t, top_k, torch.Generator().manual_seed(seed), **kw)
+    b = run_case(fused, t, top_k, torch.Generator().manual_seed(seed), deterministic=True, **kw)
+    c = run_case(two, t, top_k, torch.Generator().manual_seed(seed), deterministic=True, **kw)
+    assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_fused_decode_plan_expert_map_strided(activation, gen):
+    # 12 global experts, 6 local (-1: another rank's): a token may have no local expert; x row-strided; I = 80
+    # not a multiple of the tiles.
+    emap = torch.tensor([-1, 0, 1, -1, 2, -1, 3, -1, -1, 4, 5, -1], dtype=torch.int32)
+    run_case(_fused_plan(), 5, 3, gen, e=6, h=112, i=80, expert_map=emap, activation=activation, strided=True)
+
+
+def test_fused_decode_plan_refuses_tiles_it_cannot_share():
+    gate, down = FUSED_TILES["w4"]
+    with pytest.raises(ValueError, match="down_tile: num_warps"):
+        fused_decode_plan(SM90, gate, replace(down, num_warps=2), hidden=112, intermediate=96)
+    with pytest.raises(ValueError, match="gate_up_tile: the fused decode layer takes"):
+        fused_decode_plan(SM90, replace(gate, block_k=256, use_tma=True), down, hidden=112, intermediate=96)
 
 
 def test_dispatch_decode_rows():

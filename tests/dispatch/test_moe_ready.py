@@ -15,10 +15,11 @@ import torch
 
 from vllm_nvfp4_sm120.dispatch import moe_flow
 from vllm_nvfp4_sm120.dispatch.hw import Capability
-from vllm_nvfp4_sm120.dispatch.moe import Impl, MoeKernel, decode_tier_plan, tier_plan
+from vllm_nvfp4_sm120.dispatch.moe import Impl, MoeKernel, decode_tier_plan, fused_decode_plan, tier_plan
 from vllm_nvfp4_sm120.dispatch.registry import READY_MOE, MoeReady, prepare_moe
 from vllm_nvfp4_sm120.format import GlobalScale, make_moe_bank, topk_route
 from vllm_nvfp4_sm120.kernels.gluon_compat import HAS_GLUON
+from vllm_nvfp4_sm120.kernels.moe_decode import DecodeTile
 
 SM90, SM120 = Capability(90), Capability(120)
 ON_GPU = torch.cuda.is_available()
@@ -43,6 +44,11 @@ def _plan(case: str):
     if case == "split-k":  # on the T = 2 tile (the T = 1 one has warps over K, whose slices need block_k >= 128)
         plan = decode_tier_plan(SM90, 2, hidden=112, intermediate=96)
         return replace(plan, gate_up=replace(plan.gate_up, block_k=32, split_k=2)), 112, 96, False, False
+    if case.startswith("fused"):  # one launch: gate_up of 16 stacked rows, a 16-row down, 4 warps each
+        plan = fused_decode_plan(SM90, DecodeTile(8, 32, 16, num_warps=4, num_stages=2, use_dot=True),
+                                 DecodeTile(16, 32, 16, num_warps=4, num_stages=2, use_dot=True), hidden=112,
+                                 intermediate=96)
+        return plan, 112, 96, False, case.endswith("-map")
     if case.startswith("tiers"):  # the Triton tiers: pure-tl decode, pointer loads in the interpreter
         kernel = MoeKernel.W4A4 if case.startswith("tiers-w4a4") else MoeKernel.W4A16
         plan = tier_plan(SM90, kernel, 32, hidden=128, intermediate=64, impl=Impl.TRITON)
@@ -89,7 +95,8 @@ def _enc(plan, x):
         x.device)
 
 
-@pytest.mark.parametrize("case", ["expert-atomic-tma", "expert-det", "token-map", "split-k", "tiers-atomic",
+@pytest.mark.parametrize("case", ["expert-atomic-tma", "expert-det", "token-map", "split-k", "fused", "fused-map",
+                                  "tiers-atomic",
                                   "tiers-det", "tiers-map", "tiers-w4a4-atomic", "tiers-w4a4-det", "tiers-w4a4-map"])
 def test_ready_layer_equals_validating_flow(case, gen):
     if ON_GPU:
@@ -118,6 +125,10 @@ def _gpu_plan(kind: str):
         if kind.startswith("gluon"):  # the sm_120 tiers' Gluon GEMMs (persistent), which also run on sm_90
             return tier_plan(SM120, kernel, 64, hidden=2048, intermediate=768, impl=Impl.GLUON), 64, 768
         return tier_plan(SM90, kernel, 32, hidden=2048, intermediate=768, impl=Impl.TRITON), 64, 768
+    if kind == "fused":  # the T >= 3 row's tiles as one launch (capped at 248 registers: no spills)
+        gate = replace(decode_tier_plan(SM90, 4, hidden=2048, intermediate=768).gate_up, max_regs=248)
+        down = DecodeTile(64, 256, 16, num_warps=2, num_stages=2, use_dot=True, shift_decode=True, max_regs=248)
+        return fused_decode_plan(SM90, gate, down, hidden=2048, intermediate=768), 4, 768
     i = 768 if kind == "expert" else 512
     plan = decode_tier_plan(SM90, 8, hidden=2048, intermediate=i)  # T = 8: the token-major rule
     assert plan.decode_down == kind
@@ -125,7 +136,7 @@ def _gpu_plan(kind: str):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind,deterministic", [("token", False), ("expert", True), ("expert", False),
+@pytest.mark.parametrize("kind,deterministic", [("token", False), ("fused", False), ("expert", True), ("expert", False),
                                                 ("tiers", True), ("tiers", False), ("tiers-w4a4", True),
                                                 ("gluon", True), ("gluon-w4a4", True)])
 def test_flow_second_call_takes_ready_launcher(kind, deterministic, gen):
@@ -138,7 +149,7 @@ def test_flow_second_call_takes_ready_launcher(kind, deterministic, gen):
     first = moe_flow.nvfp4_moe(*a, **kw)
     (entry,) = moe_flow._CACHE.values()
     assert entry.ready is not None
-    exact = kind == "token" or deterministic  # else fp32 atomics: the add order varies run to run
+    exact = kind in ("token", "fused") or deterministic  # else fp32 atomics: the add order varies run to run
 
     def same(got, want):
         if exact:
@@ -155,8 +166,9 @@ def test_flow_second_call_takes_ready_launcher(kind, deterministic, gen):
 
 
 @pytest.mark.gpu
-def test_flow_ready_launcher_under_cuda_graph(gen):
-    plan, t, i = _gpu_plan("token")
+@pytest.mark.parametrize("kind", ["token", "fused"])
+def test_flow_ready_launcher_under_cuda_graph(kind, gen):
+    plan, t, i = _gpu_plan(kind)
     a, _ = _layer(gen, t, 8, 2048, i, 4, False, dtype=torch.bfloat16)
     want = moe_flow.nvfp4_moe(*a, plan=plan)
     out = torch.empty_like(a[0])
@@ -169,9 +181,11 @@ def test_flow_ready_launcher_under_cuda_graph(gen):
         with torch.cuda.graph(graph, stream=stream):
             moe_flow.nvfp4_moe(*a, plan=plan, out=out)
     torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, want)
+    for _ in range(3):  # the fused plan's control block is left zero for the next replay
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
 
 
 def test_flow_hit_runs_the_entrys_ready_launcher(gen):

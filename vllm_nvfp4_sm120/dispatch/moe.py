@@ -37,6 +37,7 @@ from enum import StrEnum
 
 from ..kernels.gluon_compat import gluon_enabled
 from ..kernels.moe_decode import MAX_ROUTES, DecodeTile, tma_ok
+from ..kernels.moe_decode_fused import check_fused_tiles
 from .configs import measured_moe_plan
 from .hw import Capability, Family
 from .policy import current_policy, substitute
@@ -62,6 +63,9 @@ class DecodeDown(StrEnum):
 
     EXPERT = "expert"  # expert-major: each w2 block read once; fp32 atomics, or per-route rows when deterministic
     TOKEN = "token"  # token-major: slot-order fp32 sum, bit-identical run to run in either mode
+    # gate_up and down work items in one launch (kernels/moe_decode_fused.py): the expert-major down's products,
+    # summed in slot order (the deterministic expert-major bits, in either mode)
+    FUSED = "fused"
 
 
 W4A4_MIN_TOKENS_PER_EXPERT = 4
@@ -300,6 +304,17 @@ def decode_tier_plan(cap: Capability, num_tokens: int, *, hidden: int, intermedi
     return MoePlan(kernel=MoeKernel.W4A16, block_m=0, gate_up=gate_up, down=down, fast_decode=cap.cc is not None,
                    impl=Impl.DECODE, tier=f"{cap.family}/decode/{i}/{kind}{'/wide' if wide else ''}", tma=tma,
                    decode_down=kind)
+
+
+def fused_decode_plan(cap: Capability, gate_up: DecodeTile, down: DecodeTile, *, hidden: int, intermediate: int,
+                      tier: str = "") -> MoePlan:
+    """The decode plan that runs ``gate_up`` and ``down`` as the work items of one launch
+    (``kernels/moe_decode_fused.py``: pointer loads, one ``num_warps``); what the fused rows pick, and what the
+    benchmarks and tests time side by side with the two-launch plan."""
+    check_fused_tiles(gate_up, down)
+    return MoePlan(kernel=MoeKernel.W4A16, block_m=0, gate_up=gate_up, down=down, fast_decode=cap.cc is not None,
+                   impl=Impl.DECODE, tier=tier or f"{cap.family}/decode/fused", tma=(False, False),
+                   decode_down=DecodeDown.FUSED)
 
 
 def decode_plan(cap: Capability, *, num_tokens: int, top_k: int, global_experts: int, hidden: int,

@@ -18,8 +18,8 @@ fixed, Triton's argument binding skipped), since nothing they check can change w
 addresses (whose TMA alignment the ready launches still check).
 
 Decode plans (``Impl.DECODE``, small T) skip the alignment: ``topk_ids`` (and ``expert_map``) go straight into the
-gate_up kernel (gated activation fused) and the down kernel (routing weight and top-k sum fused); see
-:func:`_run_decode`.
+gate_up kernel (gated activation fused) and the down kernel (routing weight and top-k sum fused), or both as the work
+items of one launch (``DecodeDown.FUSED``); see :func:`_run_decode`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from ..kernels.common import interpreting
 from ..kernels.moe_align import moe_align, moe_sum
 from ..kernels.moe_common import check_moe_layer
 from ..kernels.moe_decode import down_expert_workspace
+from ..kernels.moe_decode_fused import moe_decode_fused
 from ..kernels.moe_w4a4 import moe_quant_input
 from . import policy
 from .hw import capability_of
@@ -231,11 +232,17 @@ def _run_kernels(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec,
 
 def _run_decode(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, expert_map,
                 activation, deterministic, out, plan: MoePlan):
-    """The decode plan: two launches (three for the deterministic expert-major down), no alignment, buffers from
-    shapes.  Routing ids out of range contribute nothing (as ``-1`` in ``expert_map``): checking them would sync."""
-    gate_up, down = MOE_KERNELS[plan.kernel, plan.impl]
+    """The decode plan: two launches (three for the deterministic expert-major down; one for the fused plan), no
+    alignment, buffers from shapes.  Routing ids out of range contribute nothing (as ``-1`` in ``expert_map``): checking them would sync."""
     # The kernels read the routing as flat [T * top_k] vectors (no copy when already contiguous, vLLM's case).
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
+    if plan.decode_down == DecodeDown.FUSED:
+        # One launch: gate_up and down items in one grid, the top-k sum in slot order (a zeroed control block per
+        # call here; the ready launcher keeps one per stream).
+        return moe_decode_fused(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights,
+                                topk_ids, gate_up_tile=plan.gate_up, down_tile=plan.down, expert_map=expert_map,
+                                activation=activation, out=out)
+    gate_up, down = MOE_KERNELS[plan.kernel, plan.impl]
     by_expert = plan.decode_down == DecodeDown.EXPERT
     # Expert-major: fp32 sums + tile counts that the gate_up kernel's programs zero (atomic mode), or per-route
     # rows (deterministic, summed in slot order); token-major needs none.

@@ -10,8 +10,8 @@
   compile-time arguments and derived sizes fixed once, the launch checking nothing (the op validated its inputs).
   Kernels without a ready form (the vendor routes) run their validating adapter with the plan's tile bound.
 
-* :func:`prepare_moe`: the same for the MoE flow, per call signature (:data:`READY_MOE`: the decode plan's two
-  or three launches, the tiers' align, (input quantization,) GEMMs and sum).
+* :func:`prepare_moe`: the same for the MoE flow, per call signature (:data:`READY_MOE`: the decode plan's one,
+  two or three launches, the tiers' align, (input quantization,) GEMMs and sum).
 
 Plus the Gluon gemv on the tile the dispatch picks (:func:`gemv`), for tools and tests that call it directly.
 """
@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import (fp4_routes, gluon_gemv, gluon_gemv_stream, gluon_moe_w4a4, gluon_moe_w4a16, moe_align,
-                       moe_decode, moe_w4a4, moe_w4a16)
+                       moe_decode, moe_decode_fused, moe_w4a4, moe_w4a16)
 from ..kernels.act_quant import prepare_act_quant, quantize_act_nvfp4
+from ..kernels.launch import StreamCounters
 from ..kernels.w4a4_gemm import prepare_w4a4_gemm, w4a4_gemm
 from ..kernels.w4a16_dequant import prepare_w4a16_dequant_mm, w4a16_dequant_mm
 from ..kernels.w4a16_linear import prepare_w4a16_gemm, prepare_w4a16_gemv, w4a16_gemm, w4a16_gemv
@@ -100,7 +101,7 @@ def _fi_w4a16(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha
 # The streaming kernel's validating adapter (tools and tune time it) keeps its arrival counters the way the ready
 # launch does (one zeroed tensor per stream, here per count and device) and takes fresh partial sums per call, so
 # a timed call is the kernel alone, not a memset before it.
-_STREAM_COUNTERS: dict[tuple, gluon_gemv_stream.StreamCounters] = {}
+_STREAM_COUNTERS: dict[tuple, StreamCounters] = {}
 
 
 def _stream(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, bias, *, ctas, **tile):
@@ -111,7 +112,7 @@ def _stream(x, w_codes, w_scales, w_dec_rows, w_scales_swizzled, in_enc, alpha, 
         grid = gluon_gemv_stream.stream_grid(x.shape[0], codes.shape[0], x.shape[1], tile, ctas)
         key = (grid.counters_numel, x.device)
         if key not in _STREAM_COUNTERS:
-            _STREAM_COUNTERS[key] = gluon_gemv_stream.StreamCounters(*key)
+            _STREAM_COUNTERS[key] = StreamCounters(*key)
         ws = gluon_gemv_stream.StreamWorkspace(
             torch.empty(grid.partials_numel(tile), dtype=torch.float32, device=x.device), _STREAM_COUNTERS[key].get())
     return gluon_gemv_stream.gemv_stream(x, codes, scales, w_dec_rows, bias=bias, ctas=ctas, tile=tile, workspace=ws)
@@ -289,6 +290,8 @@ def prepare_moe_decode(plan, r: MoeReady):
     on its first call): ``run(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights,
     topk_ids, a13_enc, a2_enc, expert_map, out) -> out`` (the arguments of ``nvfp4_moe``; the encode scales unused
     here), the same launches as the flow's decode path, checking nothing; T > 0."""
+    if plan.decode_down == DecodeDown.FUSED:
+        return _decode_fused(plan, r)
     by_expert = plan.decode_down == DecodeDown.EXPERT
     zeroed = by_expert and not r.deterministic  # atomic mode: the gate_up kernel zeroes the workspace
     dims = (r.t, r.h, r.i, r.e, r.top_k, r.global_e, r.device)
@@ -317,6 +320,25 @@ def prepare_moe_decode(plan, r: MoeReady):
             emap = expert_map if has_map else topk_ids
             inter = gate_up(x, w13_codes, w13_scales.view(u8), w13_dec, topk_ids, emap)
             return down(inter, w2_codes, w2_scales.view(u8), w2_dec, topk_ids, emap, topk_weights, out)
+
+    return run
+
+
+def _decode_fused(plan, r: MoeReady):
+    """The fused decode plan's ready layer: one launch, its control block one zeroed tensor per stream (the kernel
+    leaves it zero: :class:`~..kernels.launch.StreamCounters`)."""
+    launch = moe_decode_fused.prepare_moe_decode_fused(
+        r.t, r.h, r.i, r.e, r.top_k, r.global_e, r.device, gate_up_tile=plan.gate_up, down_tile=plan.down,
+        activation=r.activation, has_map=r.has_map)
+    control = StreamCounters(moe_decode_fused.control_numel(r.t, r.top_k, r.e, r.h, plan.down), r.device)
+    has_map, u8 = r.has_map, torch.uint8
+
+    def run(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, a13_enc, a2_enc,
+            expert_map, out):
+        topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
+        emap = expert_map if has_map else topk_ids
+        return launch(x, w13_codes, w13_scales.view(u8), w13_dec, w2_codes, w2_scales.view(u8), w2_dec, topk_ids,
+                      emap, topk_weights, control.get(), out)
 
     return run
 

@@ -61,6 +61,7 @@ from .common import register_cap_option
 from .gluon_compat import HAS_GLUON, ampere, gl, gluon, require_gluon
 from .fp4_decode import SHIFT_BF16_BODY, SHIFT_EXP, SHIFT_F16_BODY, SHIFT_SCALE  # noqa: F401 (re-exported)
 from .gluon_common import DECODE_CVT, DECODE_PORTABLE, E2M1_ASM, default_decode
+from .launch import StreamCounters  # noqa: F401 (the ready launch's counters; re-exported)
 
 DECODE_SHIFT = 2
 DECODE_NAMES = {DECODE_CVT: "cvt", DECODE_PORTABLE: "portable", DECODE_SHIFT: "shift"}
@@ -534,28 +535,6 @@ def gemv_stream(x, w_codes, w_scales, w_dec_rows, *, tile: StreamTile, ctas: int
         **tile.launch_options,
     )
     return out
-
-
-class StreamCounters:
-    """The arrival counters of one ready launch, one zeroed tensor per CUDA stream that launches it.
-
-    The kernel leaves its counters zero, so a tensor serves every later launch *in order* after it (CUDA-graph
-    replays included); two launches that may overlap must not share one.  Launches on one stream never overlap,
-    launches on two streams may (a model's side stream, two micro-batches), hence one tensor per stream: the
-    stream a launch is queued on, also while a CUDA graph is captured (its nodes then keep that capture stream's
-    tensor).  The lookup is a dict hit on the raw stream handle, the one Triton launches on."""
-
-    def __init__(self, numel: int, device):
-        self.numel, self.device = numel, torch.device(device)
-        self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        self.by_stream: dict[int, torch.Tensor] = {}
-
-    def get(self) -> torch.Tensor:
-        stream = triton.runtime.driver.active.get_current_stream(self._index)
-        cnt = self.by_stream.get(stream)
-        if cnt is None:
-            cnt = self.by_stream[stream] = torch.zeros(self.numel, dtype=torch.int32, device=self.device)
-        return cnt
 
 
 def prepare_gemv_stream(t: int, n: int, k: int, device, dtype, *, tile: StreamTile, ctas: int, has_bias: bool,

@@ -306,3 +306,33 @@ class ReadyKernel:
             self._variant = _Variant(self, compiled, st[0], st[1], args)
         except Exception:  # an argument Triton accepted that this module does not know: the JIT path stays
             self._variant = None
+
+
+class StreamCounters:
+    """The counters (an int32 control block) of one ready launch, one zeroed tensor per CUDA stream that launches it.
+
+    For kernels that leave their counters zero: a tensor then serves every later launch *in order* after it
+    (CUDA-graph replays included), but two launches that may overlap must not share one.  Launches on one stream
+    never overlap, launches on two streams may (a model's side stream, two micro-batches), hence one tensor per
+    stream: the stream a launch is queued on, also while a CUDA graph is captured (its nodes then keep that capture
+    stream's tensor).  The lookup is a dict hit on the raw stream handle, the one Triton launches on.  Off CUDA
+    (the interpreter) one tensor serves every call."""
+
+    def __init__(self, numel: int, device):
+        import torch
+
+        self.numel, self.device = numel, torch.device(device)
+        self._index = None
+        if self.device.type == "cuda":
+            self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.by_stream: dict = {}
+
+    def get(self):
+        import torch
+        import triton
+
+        stream = None if self._index is None else triton.runtime.driver.active.get_current_stream(self._index)
+        cnt = self.by_stream.get(stream)
+        if cnt is None:
+            cnt = self.by_stream[stream] = torch.zeros(self.numel, dtype=torch.int32, device=self.device)
+        return cnt
