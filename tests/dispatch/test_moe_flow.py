@@ -356,6 +356,23 @@ def test_fused_decode_plan_expert_map_strided(activation, gen):
     run_case(_fused_plan(), 5, 3, gen, e=6, h=112, i=80, expert_map=emap, activation=activation, strided=True)
 
 
+def test_fused_rows_pick_the_one_launch_plan(monkeypatch):
+    from vllm_nvfp4_sm120.dispatch import moe as M
+
+    before = decode_tier_plan(SM90, 2, hidden=2048, intermediate=768)
+    monkeypatch.setitem(M._DECODE_FUSED_ROWS, SM90.family, ((2, 4096, "t2", "a measured row"),))
+    plan = decode_tier_plan(SM90, 2, hidden=2048, intermediate=768)
+    assert (plan.gate_up, plan.down) == M.DECODE_FUSED_PAIRS["t2"]
+    assert (plan.decode_down, plan.tier) == ("fused", "sm90/decode/fused-t2")
+    assert plan in all_moe_plans(SM90)
+    # Outside the row (T, H) and on another family: the two-launch rows.
+    assert decode_tier_plan(SM90, 3, hidden=2048, intermediate=768).decode_down != "fused"
+    assert decode_tier_plan(SM90, 2, hidden=7168, intermediate=768).decode_down != "fused"
+    assert decode_tier_plan(SM120, 2, hidden=2048, intermediate=768).decode_down != "fused"
+    monkeypatch.setitem(M._DECODE_FUSED_ROWS, SM90.family, ())
+    assert decode_tier_plan(SM90, 2, hidden=2048, intermediate=768) == before
+
+
 def test_fused_decode_plan_refuses_tiles_it_cannot_share():
     gate, down = FUSED_TILES["w4"]
     with pytest.raises(ValueError, match="down_tile: num_warps"):

@@ -174,6 +174,15 @@ def test_the_sweep_fused_pairs_are_valid():
         mf.check_fused_tiles(SWEEP.GATE_UP[g], SWEEP.DOWN[d][2])
 
 
+def test_the_dispatch_fused_pairs_are_sweep_pairs():
+    # What the dispatch can run in one launch is what the sweep measures and the compile test below checks.
+    from vllm_nvfp4_sm120.dispatch.moe import DECODE_FUSED_PAIRS
+
+    for name, (gate, down) in DECODE_FUSED_PAIRS.items():
+        g, d = SWEEP.FUSED_PAIRS[name]
+        assert (SWEEP.GATE_UP[g], SWEEP.DOWN[d][2]) == (gate, down), name
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", [120, 90])
 @pytest.mark.parametrize("pair", FUSED_PAIRS, ids=["+".join(p) for p in FUSED_PAIRS])

@@ -279,6 +279,28 @@ _DECODE_ROWS = {
 }
 DECODE_FAMILIES = tuple(_DECODE_ROWS)
 
+# The whole layer in one launch (kernels/moe_decode_fused.py, DecodeDown.FUSED): the gate_up and down tiles as the
+# work items of one grid, so the down items read their weights while the gate_up items run, and one launch's ramp
+# and tail instead of two.  Both tiles by pointer loads with one num_warps (and one register cap: the kernel's
+# registers are the larger item's).  The pairs, named as in benchmarks/moe_decode_sweep.py's FUSED_PAIRS:
+DECODE_FUSED_PAIRS = {
+    "t1": (DECODE_GATE_UP_TILES["gu-n16k256-kw4-st3-shift"],
+           DecodeTile(32, 256, 16, num_warps=4, num_stages=2, use_dot=True, k_warps=4, shift_decode=True)),
+    "t2": (DECODE_GATE_UP_TILES["gu-n16k128-w2-st3"], DECODE_DOWN_TILES[DECODE_POINTER_DOWN_TILE]),
+    "t4": (replace(DECODE_GATE_UP_TILES["gu-n32k128-w2-st3-shift"], max_regs=248),
+           replace(DECODE_DOWN_TILES[DECODE_POINTER_DOWN_TILE], max_regs=248)),
+    "wide": (DECODE_GATE_UP_TILES[DECODE_WIDE_GATE_UP_TILE],
+             DecodeTile(32, 128, 16, num_warps=1, num_stages=3, use_dot=True, shift_decode=True)),
+}
+# (max T, max H, pair, why): the first row with T <= max T and H <= max H serves the call with that pair in one
+# launch; the two-launch rows above serve the rest.
+_H200_FUSED_ROWS: tuple[tuple[int, int, str, str], ...] = ()
+_DECODE_FUSED_ROWS = {Family.SM90: _H200_FUSED_ROWS, Family.SM120: _H200_FUSED_ROWS}
+
+
+def _fused_row(cap: Capability, num_tokens: int, hidden: int):
+    return next((r for r in _DECODE_FUSED_ROWS.get(cap.family, ()) if num_tokens <= r[0] and hidden <= r[1]), None)
+
 
 def decode_tier_plan(cap: Capability, num_tokens: int, *, hidden: int, intermediate: int) -> MoePlan | None:
     """The decode plan's tiles for ``num_tokens`` on ``cap`` (the last row's beyond :data:`DECODE_MAX_TOKENS`, for
@@ -287,6 +309,10 @@ def decode_tier_plan(cap: Capability, num_tokens: int, *, hidden: int, intermedi
     rows = _DECODE_ROWS.get(cap.family)
     if rows is None:
         return None
+    fused = _fused_row(cap, num_tokens, hidden)
+    if fused is not None:
+        return fused_decode_plan(cap, *DECODE_FUSED_PAIRS[fused[2]], hidden=hidden, intermediate=intermediate,
+                                 tier=f"{cap.family}/decode/fused-{fused[2]}")
     i, (_, name, down_name, _) = next(((i, r) for i, r in enumerate(rows) if num_tokens <= r[0]),
                                       (len(rows) - 1, rows[-1]))
     token = num_tokens >= DECODE_TOKEN_DOWN_MIN_T and intermediate <= DECODE_TOKEN_DOWN_MAX_I
@@ -485,6 +511,10 @@ def all_moe_plans(cap: Capability) -> list[MoePlan]:
                     plan = decode_tier_plan(cap, tt, hidden=hidden, intermediate=inter)
                     if plan not in plans:
                         plans.append(plan)
+    for max_t, max_h, _, _ in _DECODE_FUSED_ROWS.get(cap.family, ()):  # the fused rows' plans
+        plan = decode_tier_plan(cap, max_t, hidden=max_h, intermediate=4096)
+        if plan not in plans:
+            plans.append(plan)
     return plans
 
 
