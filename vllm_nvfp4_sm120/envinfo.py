@@ -140,8 +140,8 @@ def moe_plan(capability: tuple[int, int] | None, *, w4a4: bool, hidden: int, int
                                          hidden=hidden, intermediate=intermediate, w4a4=w4a4)
         m = dispatch_moe.tokens_per_expert(t, top_k, experts)
         tma = "TMA " if p.gate_up.use_tma or p.down.use_tma else ""
-        kind = (f"{p.kernel} align-free decode ({p.decode_down}-major down)" if p.impl == "decode"
-                else f"{p.kernel} BLOCK_M {p.block_m}")
+        down = "gate_up and down in one launch" if p.decode_down == "fused" else f"{p.decode_down}-major down"
+        kind = (f"{p.kernel} align-free decode ({down})" if p.impl == "decode" else f"{p.kernel} BLOCK_M {p.block_m}")
         out.append((f"T = {t} ({m:g} rows/expert)",
                     f"{kind}, gate_up {p.gate_up.block_n}x{p.gate_up.block_k} / down "
                     f"{p.down.block_n}x{p.down.block_k} {tma}[{p.tier}]"))

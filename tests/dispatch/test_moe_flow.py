@@ -369,6 +369,12 @@ def test_fused_rows_pick_the_one_launch_plan(monkeypatch):
     assert decode_tier_plan(SM90, 3, hidden=2048, intermediate=768).decode_down != "fused"
     assert decode_tier_plan(SM90, 2, hidden=7168, intermediate=768).decode_down != "fused"
     assert decode_tier_plan(SM120, 2, hidden=2048, intermediate=768).decode_down != "fused"
+    # What `env` / `inspect` print for it.
+    from vllm_nvfp4_sm120.envinfo import moe_plan
+
+    lines = dict(moe_plan((9, 0), w4a4=False, hidden=2048, intermediate=768, top_k=8, experts=128, tokens=(2, 3)))
+    assert "align-free decode (gate_up and down in one launch)" in lines["T = 2 (0.125 rows/expert)"]
+    assert "expert-major down" in lines["T = 3 (0.1875 rows/expert)"]
     monkeypatch.setitem(M._DECODE_FUSED_ROWS, SM90.family, ())
     assert decode_tier_plan(SM90, 2, hidden=2048, intermediate=768) == before
 
