@@ -293,7 +293,9 @@ DECODE_FUSED_PAIRS = {
              DecodeTile(32, 128, 16, num_warps=1, num_stages=3, use_dot=True, shift_decode=True)),
 }
 # (max T, max H, pair, why): the first row with T <= max T and H <= max H serves the call with that pair in one
-# launch; the two-launch rows above serve the rest.
+# launch; the two-launch rows above serve the rest.  Empty on sm_90 by measurement: on an H100 (device run 55) the
+# best fused pair was 1.01-1.52x slower than the best two-launch pair on each of the four model shapes at every
+# T in 1-16 (docs/benchmarks.md, "The whole decode layer in one launch").
 _H200_FUSED_ROWS: tuple[tuple[int, int, str, str], ...] = ()
 _DECODE_FUSED_ROWS = {Family.SM90: _H200_FUSED_ROWS, Family.SM120: _H200_FUSED_ROWS}
 
