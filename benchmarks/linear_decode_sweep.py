@@ -19,6 +19,8 @@ Candidates (``--candidates`` keeps those whose name contains one of the given su
   gemlite             gemlite's NVFP4 weight-only layer on the same codes and scales (when importable)
   read-only           a plain Triton kernel that only reads codes + scales (xor-ed as integers): the ceiling
                       of this access pattern, i.e. how fast the bytes can arrive
+  read-only-tma       the same bytes through TMA boxes and a software pipeline (sm_90+; TMA_READ_CONFIGS): how
+                      fast they can arrive when the bytes in flight live in shared memory, not registers
 Compiles: K is a constexpr of gluon-today (one compile per K and tile, 30-70 s each at K = 25600 / 28672), so all
 kernels are first compiled in --jobs parallel processes on small problems with the same constexprs (shared
 Triton cache); the streaming kernel compiles once per tile.
@@ -49,6 +51,9 @@ from vllm_nvfp4_sm120.kernels import gluon_gemv_stream as gs  # noqa: E402
 from vllm_nvfp4_sm120.peers import gemlite_split_k_ref  # noqa: E402
 
 TOKENS = (1, 2, 4, 8, 16)
+# (rows, words of 4 bytes, pipeline stages, programs per SM before the K split rounds): the TMA read ceiling's grid
+TMA_READ_CONFIGS = tuple((bm, bw, st, waves) for bm in (32, 64, 128) for bw in (32, 64) for st in (3, 5)
+                         for waves in (2, 4))
 DEC = 0.0125  # one decode global for every row (gemlite takes one per layer)
 
 
@@ -84,6 +89,42 @@ def read_only(codes, scales, out, block_m=32, block_w=128, split=1):
     grid = (triton.cdiv(n, block_m), split)
     _read_only_kernel[grid](codes.view(torch.int32), scales.view(torch.uint8).view(torch.int32), out, n, words,
                             swords, split_w, split_s, BLOCK_M=block_m, BLOCK_W=block_w, num_warps=4)
+    return out
+
+
+# The same ceiling with the bytes brought in by TMA (sm_90+): boxes of [BLOCK_M rows, BLOCK_W words] into shared
+# memory, NUM_STAGES of them in flight per program (Triton's software pipeliner), so the bytes a program keeps in
+# flight no longer cost registers.  Rows past N read zeros (TMA fills out-of-bounds boxes), so the expected xor is the
+# weight's alone.
+@triton.jit
+def _read_only_tma_kernel(w_desc, s_desc, out_ptr, WORDS, SWORDS, SPLIT_W, SPLIT_S,
+                          BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, NUM_STAGES: tl.constexpr):
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    row0 = pid_m * BLOCK_M
+    acc = tl.zeros([BLOCK_M, BLOCK_W], dtype=tl.int32)
+    lo = pid_k * SPLIT_W
+    for w0 in tl.range(lo, tl.minimum(lo + SPLIT_W, WORDS), BLOCK_W, num_stages=NUM_STAGES):
+        acc ^= w_desc.load([row0, w0])
+    lo = pid_k * SPLIT_S
+    for s0 in tl.range(lo, tl.minimum(lo + SPLIT_S, SWORDS), BLOCK_W, num_stages=NUM_STAGES):
+        acc ^= s_desc.load([row0, s0])
+    tl.store(out_ptr + pid_m * tl.num_programs(1) + pid_k, tl.xor_sum(tl.xor_sum(acc, 1), 0))
+
+
+def read_only_tma(codes, scales, out, block_m=128, block_w=32, split=1, num_stages=4):
+    """:func:`read_only` through TMA descriptors (``block_w`` words of 4 bytes: 32 = one 128-byte swizzle row);
+    rows past N contribute zeros, so the total is :func:`read_only_expected` with ``block_m=1``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    n = codes.shape[0]
+    c, s = codes.view(torch.int32), scales.view(torch.uint8).view(torch.int32)
+    words, swords = c.shape[1], s.shape[1]
+    split_w = triton.cdiv(triton.cdiv(words, split), block_w) * block_w
+    split_s = triton.cdiv(triton.cdiv(swords, split), block_w) * block_w
+    w_desc = TensorDescriptor.from_tensor(c, [block_m, block_w])
+    s_desc = TensorDescriptor.from_tensor(s, [block_m, block_w])
+    grid = (triton.cdiv(n, block_m), split)
+    _read_only_tma_kernel[grid](w_desc, s_desc, out, words, swords, split_w, split_s, BLOCK_M=block_m,
+                                BLOCK_W=block_w, NUM_STAGES=num_stages, num_warps=4)
     return out
 
 
@@ -378,6 +419,29 @@ def sweep(args) -> dict:
             if best:
                 for t in tokens:
                     rows.append(_row(model, layer, n, k, t, best[1], best[0], wbytes, dram, None))
+        if selected("read-only-tma", patterns) and cc_major >= 9:  # independent of T
+            best = None
+            want_xor = read_only_expected(base.codes, base.scales, 1)
+            for bm, bw, stages, waves in TMA_READ_CONFIGS:
+                split = max(1, round(waves * sm * bm / n))
+                name = f"read-only-tma (rows {bm}, words {bw}, stages {stages}, split {split})"
+                out = torch.empty(triton.cdiv(n, bm) * split, dtype=torch.int32, device=dev)
+                try:
+                    got = _xor_all(read_only_tma(ws[0][0], ws[0][1], out, bm, bw, split, stages))
+                except Exception as e:  # a box or shared-memory size this GPU's compile refuses
+                    print(f"# {model}/{layer} {name}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                    continue
+                if got != want_xor:
+                    failures.append(f"{model}/{layer} {name}: xor {got:#x} is wrong")
+                    continue
+                sec = time_graph(lambda: [read_only_tma(c, s, out, bm, bw, split, stages) for c, s in ws],
+                                 args.repeats) / copies
+                print(f"#   {model}/{layer} {name}: {sec * 1e6:.1f} us, {wbytes / sec / 1e12:.2f} TB/s", flush=True)
+                if best is None or sec < best[0]:
+                    best = (sec, name)
+            if best:
+                for t in tokens:
+                    rows.append(_row(model, layer, n, k, t, best[1], best[0], wbytes, dram, None))
         del ws, w_bf16, gem_layers
         torch.cuda.empty_cache()
     return {"device": props.name, "sm_count": sm, "dram_read_tbs": dram, "torch": torch.__version__,
@@ -414,7 +478,7 @@ def summary(result: dict) -> str:
         by.setdefault((r["model"], r["layer"], r["n"], r["k"], r["t"]), []).append(r)
     lines = [f"# DRAM read {result['dram_read_tbs']:.2f} TB/s; frac = TB/s / DRAM read; x = time / ours",
              f"{'layer':22} {'T':>3} {'best stream (us, TB/s, frac)':44} {'plan us':>8} {'today us':>9} "
-             f"{'cuBLAS us (x)':>14} {'gemlite us (x)':>15} {'read-only TB/s':>15}"]
+             f"{'cuBLAS us (x)':>14} {'gemlite us (x)':>15} {'read-only TB/s':>15} {'TMA read TB/s':>14}"]
     for (model, layer, n, k, t), rs in by.items():
         pick = {r["kernel"]: r for r in rs}
         streams = [r for r in rs if r["kernel"].startswith("stream")]
@@ -429,7 +493,7 @@ def summary(result: dict) -> str:
         plan = pick.get("stream-plan")
         lines.append(f"{model[:9] + '/' + layer:22} {t:3} {b:44} {plan['us'] if plan else float('nan'):8.1f} "
                      f"{col('gluon-today', '{us:9.1f}'):>9} {col('cublas'):>14} {col('gemlite'):>15} "
-                     f"{col('read-only', '{tbs:15.2f}'):>15}")
+                     f"{col('read-only (', '{tbs:15.2f}'):>15} {col('read-only-tma', '{tbs:14.2f}'):>14}")
     if result["failures"]:
         lines.append(f"# {len(result['failures'])} candidate checks FAILED: " + "; ".join(result["failures"]))
     return "\n".join(lines)

@@ -30,6 +30,19 @@ def test_read_only_kernel_reads_every_byte(gen, n, k, block_m, split):
     assert got2 == got ^ (1 << 24)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU tensors)")
+@pytest.mark.parametrize("n,k,block_m,block_w,split", [(37, 1024, 16, 32, 1), (64, 512, 32, 32, 3),
+                                                       (200, 2048, 64, 64, 2)])
+def test_read_only_tma_kernel_reads_every_byte(gen, n, k, block_m, block_w, split):
+    w = random_nvfp4((n, k), gen=gen)
+    out = torch.empty(-(-n // block_m) * split, dtype=torch.int32)
+    got = sweep._xor_all(sweep.read_only_tma(w.codes, w.scales, out, block_m, block_w, split, num_stages=2))
+    assert got == sweep.read_only_expected(w.codes, w.scales, 1)  # rows past N are TMA's zeros
+    w.scales.view(torch.uint8)[n - 1, -1] ^= 1  # the last scale byte counts too
+    got2 = sweep._xor_all(sweep.read_only_tma(w.codes, w.scales, out, block_m, block_w, split, num_stages=2))
+    assert got2 == got ^ (1 << 24)
+
+
 @pytest.mark.parametrize("cc_major", [9, 12])
 @pytest.mark.parametrize("t", [1, 2, 4, 8, 16])
 def test_candidates(t, cc_major):
@@ -52,7 +65,9 @@ def test_summary_table():
                        ("stream", gs.StreamTile(128, 8, 4, 2), 396, gs.DECODE_SHIFT) if name.startswith("stream")
                        else None)
             for name, us in (("stream-plan", 9.0), ("stream-64x8w4r1", 10.0), ("gluon-today", 16.0),
-                             ("cublas-bf16", 28.0), ("gemlite (default)", 20.0), ("read-only (rows 32, split 1)", 8.0))]
+                             ("cublas-bf16", 28.0), ("gemlite (default)", 20.0), ("read-only (rows 32, split 1)", 8.0),
+                             ("read-only-tma (rows 64, words 32, stages 3, split 2)", 7.0))]
     text = sweep.summary({"rows": rows, "dram_read_tbs": 4.4, "failures": ["x: wrong"]})
     assert "qwen3-32b/qkv" in text and "(3.11)" in text and "FAILED" in text
+    assert "3.69" in text and "4.21" in text  # the pointer and TMA read ceilings, each in its column
     assert rows[0]["tile"] and rows[0]["decode"] == "shift"
