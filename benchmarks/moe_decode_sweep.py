@@ -10,7 +10,8 @@ random routing, so the experts one call reads are not in L2 from an earlier call
 sizes); median over replays.  The gate_up and the down candidates are timed separately (a gate_up tile and a down
 variant are independent choices), then the best pair as a whole layer, today's path
 (``dispatch.moe_flow.nvfp4_moe``, the dispatch's W4A16 plan) in the same run, and the launch cost of a graph of two
-empty Triton kernels.  Floor = codes + scales bytes of the experts each call routes to / DRAM read bandwidth
+empty Triton kernels (with ``--read-ceiling``, also two launches that only read the touched experts' codes and
+scales: what a two-kernel layer cannot beat).  Floor = codes + scales bytes of the experts each call routes to / DRAM read bandwidth
 measured in the same run (``bench.dram_read_tbs``).  Rows go to ``$OUT/moe_decode.json``; a compact table prints
 last.  Runs without vLLM.
 """
@@ -27,6 +28,7 @@ from dataclasses import replace
 
 import torch
 import triton
+import triton.language as tl
 
 # Run as a script from anywhere: the package is the repository's.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -250,6 +252,60 @@ def _empty_kernel(x_ptr):
     pass
 
 
+# The read ceiling of a decode layer: two dependent launches that only read the codes and scales of the experts a
+# call routes to (gate_up bank, then down bank; xor-ed as 32-bit words, no decode), each expert once.  The distinct
+# experts are found on the host before capture: a measuring device, not a product path.  What separates it from the
+# floor is what any two-kernel decode layer pays (first bytes' latency, each launch's tail, the launch between).
+@triton.jit
+def _read_experts_kernel(w_ptr, s_ptr, ids_ptr, out_ptr, ROWS, WORDS, SWORDS,
+                         BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Program (expert slot, row tile) xors rows [pid_r * BLOCK_M, ...) of expert ids[slot]: codes then scales."""
+    slot, pid_r = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    rows = tl.minimum(pid_r * BLOCK_M + tl.arange(0, BLOCK_M), ROWS - 1).to(tl.int64)
+    keep = (pid_r * BLOCK_M + tl.arange(0, BLOCK_M) < ROWS)[:, None]
+    cols = tl.arange(0, BLOCK_W)
+    acc = tl.zeros([BLOCK_M, BLOCK_W], dtype=tl.int32)
+    base = w_ptr + (expert * ROWS + rows[:, None]) * WORDS
+    for w0 in range(0, WORDS, BLOCK_W):
+        acc ^= tl.load(base + w0 + cols[None, :], mask=keep & ((w0 + cols)[None, :] < WORDS), other=0)
+    base = s_ptr + (expert * ROWS + rows[:, None]) * SWORDS
+    for s0 in range(0, SWORDS, BLOCK_W):
+        acc ^= tl.load(base + s0 + cols[None, :], mask=keep & ((s0 + cols)[None, :] < SWORDS), other=0)
+    tl.store(out_ptr + slot * tl.num_programs(1) + pid_r, tl.xor_sum(tl.xor_sum(acc, 1), 0))
+
+
+def read_experts(codes, scales, ids, out, block_m=16, block_w=64):
+    """xor per (expert of ``ids``, row tile) of a bank's codes ``[E, rows, K/2]`` and scales ``[E, rows, K/16]``
+    as 32-bit words into ``out`` (``len(ids) * cdiv(rows, block_m)`` int32)."""
+    e, rows, kh = codes.shape
+    c = codes.view(torch.int32).reshape(e, rows, kh // 4)
+    s = scales.view(torch.uint8).view(torch.int32).reshape(e, rows, -1)
+    grid = (ids.numel(), triton.cdiv(rows, block_m))
+    _read_experts_kernel[grid](c, s, ids, out, rows, c.shape[-1], s.shape[-1], BLOCK_M=block_m, BLOCK_W=block_w,
+                               num_warps=4)
+    return out
+
+
+def _xor_words(t: torch.Tensor) -> int:
+    v = t.reshape(-1).to(torch.int64) & 0xFFFFFFFF
+    while v.numel() > 1:
+        if v.numel() % 2:
+            v = torch.cat([v, v.new_zeros(1)])
+        v = v[0::2] ^ v[1::2]
+    return int(v[0]) if v.numel() else 0
+
+
+def read_experts_expected(codes, scales, ids) -> int:
+    """What :func:`read_experts` computes over all its programs, in torch."""
+    sel = ids.long()
+    c, s = codes[sel], scales[sel]
+    return _xor_words(c.reshape(-1).view(torch.int32)) ^ _xor_words(s.view(torch.uint8).reshape(-1).view(torch.int32))
+
+
+READ_CEILING_TILES = ((16, 64), (32, 64), (16, 128))  # (rows, words) per program: the best is the ceiling
+
+
 def _bank(e: int, rows: int, k: int, gen: torch.Generator, device):
     """Random codes (all bytes), e4m3 scales 2^u (1 + m/8) with u in [-3, 1], decode globals ~ 0.005."""
     codes = torch.randint(0, 256, (e, rows, k // 2), dtype=torch.uint8, device=device, generator=gen)
@@ -364,7 +420,7 @@ def sweep(args) -> dict:
         layers = [p for p in pairs if candidate_ok(GATE_UP[p[0]], h) and candidate_ok(DOWN[p[1]][2], i)]
         for t in [int(v) for v in args.tokens.split(",")]:
             rows.append(_point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_ref, NvFp4,
-                               nvfp4_moe, layers))
+                               nvfp4_moe, layers, args.read_ceiling))
             print(_fmt(rows[-1]), flush=True)
         del banks
         if device.type == "cuda":
@@ -374,9 +430,9 @@ def sweep(args) -> dict:
 
 
 def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_ref, NvFp4, nvfp4_moe,
-           pairs=()) -> dict:
+           pairs=(), read_ceiling=False) -> dict:
     """One (shape, T): check every candidate, time gate_up and down candidates alone, the best pair, the given
-    ``pairs`` as layers, today's path."""
+    ``pairs`` as layers, today's path, and with ``read_ceiling`` the two reading launches of the touched experts."""
     copies = len(banks)
     warm = all(b is banks[0] for b in banks)  # --warm: the same experts in every call, in L2 where they fit
     routes = [_routing(t, e, k, gen, device)] * copies if warm else [_routing(t, e, k, gen, device)
@@ -413,6 +469,8 @@ def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_re
             print(f"  FAIL {shape} T={t} {name}: max error {err:.3g} of max |ref|", flush=True)
         return ok
 
+    if read_ceiling:
+        _read_ceiling(row, banks, routes, clock)
     out = torch.empty_like(x)
     for gname, dname in pairs:  # whole layers: what a programmatic dependent down kernel gains shows only here
         name = f"{gname}+{dname}"
@@ -474,6 +532,32 @@ def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_re
     return row
 
 
+def _read_ceiling(row: dict, banks, routes, clock) -> None:
+    """The read ceiling of :func:`read_experts` (gate_up bank, then down bank) on each call's distinct experts, its
+    xor checked on the first call; the best of READ_CEILING_TILES into ``row``."""
+    ids = [torch.unique(ti).to(torch.int32) for _, ti in routes]
+    for bm, bw in READ_CEILING_TILES:
+        outs = [(torch.empty(ids[c].numel() * triton.cdiv(b13[0].shape[1], bm), dtype=torch.int32,
+                             device=ids[c].device),
+                 torch.empty(ids[c].numel() * triton.cdiv(b2[0].shape[1], bm), dtype=torch.int32,
+                             device=ids[c].device)) for c, (b13, b2) in enumerate(banks)]
+
+        def calls(bm=bm, bw=bw, outs=outs):
+            for c, (b13, b2) in enumerate(banks):
+                read_experts(b13[0], b13[1], ids[c], outs[c][0], bm, bw)
+                read_experts(b2[0], b2[1], ids[c], outs[c][1], bm, bw)
+
+        calls()
+        (b13, b2), (o13, o2) = banks[0], outs[0]
+        if (_xor_words(o13) != read_experts_expected(b13[0], b13[1], ids[0])
+                or _xor_words(o2) != read_experts_expected(b2[0], b2[1], ids[0])):
+            row["failed"].append(f"read ceiling {bm}x{bw}")
+            continue
+        us = clock.seconds(calls) / len(banks) * 1e6
+        if "read_ceiling_us" not in row or us < row["read_ceiling_us"]:
+            row["read_ceiling_us"], row["read_ceiling_tile"] = us, f"{bm} rows x {bw} words"
+
+
 def _fmt(r: dict) -> str:
     best = f"{r['best_us']:8.1f}" if "best_us" in r else "     n/a"
     frac = f"{r['fraction_of_floor']:5.2f}" if "fraction_of_floor" in r else "  n/a"
@@ -484,6 +568,8 @@ def _fmt(r: dict) -> str:
                     for name, us in r.get("pairs_us", {}).items())
     return (f"{r['shape']:16} T={r['T']:3} experts {r['experts_touched']:6.1f} floor {r['floor_us']:7.1f} us | "
             f"best {best} us ({frac} of floor) det {det} | today {today} us {speed} | {r.get('best', '-')}"
+            + (f"\n    read ceiling (two launches, {r['read_ceiling_tile']}): {r['read_ceiling_us']:.1f} us "
+               f"({r['floor_us'] / r['read_ceiling_us']:.2f} of floor)" if "read_ceiling_us" in r else "")
             + pairs)
 
 
@@ -502,6 +588,9 @@ def main(argv=None):
                         "they fit (the kernels' time without DRAM; a diagnostic, not the floor's measurement)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--no-baseline", action="store_true", help="skip today's path")
+    p.add_argument("--read-ceiling", action="store_true",
+                   help="also time two launches that only read the touched experts' bytes (the ceiling of a "
+                        "two-kernel decode layer; checked by the xor of every word read)")
     p.add_argument("--list", action="store_true", help="print the candidates and exit")
     p.add_argument("--device", default="cuda", help="cuda; cpu runs the interpreter (a smoke test, no timing)")
     args = p.parse_args(argv)

@@ -892,6 +892,28 @@ def test_sweep_script_warm(tmp_path):
     assert row["failed"] == [] and row["copies"] == 16 and row["experts_touched"] == 2  # T = 1, top-2
 
 
+def test_sweep_read_ceiling(tmp_path, gen):
+    # --read-ceiling: two launches that read only the touched experts' words, checked by their xor; a flipped bit
+    # in a touched expert changes it, one in an untouched expert does not.
+    import json
+
+    SWEEP.main(["--device", DEVICE, "--shapes", "tiny", "--tokens", "1,3", "--pairs",
+                "gu-n16k128-w2-st3+exp-n32k256-w2-st2-shift", "--min-bytes", "1", "--repeats", "1", "--no-baseline",
+                "--read-ceiling", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "moe_decode.json").read_text())["rows"]
+    assert all(r["failed"] == [] and r["read_ceiling_us"] > 0 for r in rows)
+    codes = torch.randint(0, 256, (6, 40, 96), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(0, 256, (6, 40, 12), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    ids = torch.tensor([1, 4], dtype=torch.int32)
+    out = torch.empty(2 * 3, dtype=torch.int32)
+    got = SWEEP._xor_words(SWEEP.read_experts(codes.to(DEVICE), scales.to(DEVICE), ids.to(DEVICE), out.to(DEVICE)))
+    assert got == SWEEP.read_experts_expected(codes, scales, ids)
+    codes[4, 39, 95] ^= 0x80  # the last byte of a touched expert
+    codes[2, 0, 0] ^= 1  # an untouched expert
+    got2 = SWEEP._xor_words(SWEEP.read_experts(codes.to(DEVICE), scales.to(DEVICE), ids.to(DEVICE), out.to(DEVICE)))
+    assert got2 == got ^ (0x80 << 24)
+
+
 def test_sweep_script_times_pairs(tmp_path):
     # --pairs alone: each pair checked and timed as a whole layer, no tile timed alone (a programmatic dependent
     # down kernel shows its gain only after its gate_up kernel).
