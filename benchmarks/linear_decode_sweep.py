@@ -44,6 +44,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vllm_nvfp4_sm120.bench import MODELS, dram_read_tbs, time_graph  # noqa: E402
+from vllm_nvfp4_sm120.bench import xor_words  # noqa: E402
 from vllm_nvfp4_sm120.dispatch.gemv_stream_plan import stream_plan, wave_ctas  # noqa: E402
 from vllm_nvfp4_sm120.format import linear_w4a16_ref, random_nvfp4, unit_values  # noqa: E402
 from vllm_nvfp4_sm120.kernels import gluon_gemv  # noqa: E402
@@ -128,15 +129,6 @@ def read_only_tma(codes, scales, out, block_m=128, block_w=32, split=1, num_stag
     return out
 
 
-def _xor_all(t: torch.Tensor) -> int:
-    v = t.reshape(-1).to(torch.int64) & 0xFFFFFFFF
-    while v.numel() > 1:
-        if v.numel() % 2:
-            v = torch.cat([v, v.new_zeros(1)])
-        v = v[0::2] ^ v[1::2]
-    return int(v[0]) if v.numel() else 0
-
-
 def read_only_expected(codes, scales, block_m=32) -> int:
     """What read_only computes, in torch (the padded rows included: they re-read row N - 1)."""
     n = codes.shape[0]
@@ -144,7 +136,7 @@ def read_only_expected(codes, scales, block_m=32) -> int:
     c, s = codes.view(torch.int32), scales.view(torch.uint8).view(torch.int32)
     if pad:
         c, s = torch.cat([c, c[-1:].expand(pad, -1)]), torch.cat([s, s[-1:].expand(pad, -1)])
-    return _xor_all(c) ^ _xor_all(s)
+    return xor_words(c) ^ xor_words(s)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -408,7 +400,7 @@ def sweep(args) -> dict:
             best = None
             for bm, split in ((32, 1), (16, max(1, 8 * sm * 16 // n)), (64, max(1, 4 * sm * 64 // n))):
                 out = torch.empty(triton.cdiv(n, bm) * split, dtype=torch.int32, device=dev)
-                got = _xor_all(read_only(ws[0][0], ws[0][1], out, block_m=bm, split=split))
+                got = xor_words(read_only(ws[0][0], ws[0][1], out, block_m=bm, split=split))
                 if got != read_only_expected(base.codes, base.scales, bm):
                     failures.append(f"{model}/{layer} read-only bm={bm}: xor {got:#x} is wrong")
                     continue
@@ -427,7 +419,7 @@ def sweep(args) -> dict:
                 name = f"read-only-tma (rows {bm}, words {bw}, stages {stages}, split {split})"
                 out = torch.empty(triton.cdiv(n, bm) * split, dtype=torch.int32, device=dev)
                 try:
-                    got = _xor_all(read_only_tma(ws[0][0], ws[0][1], out, bm, bw, split, stages))
+                    got = xor_words(read_only_tma(ws[0][0], ws[0][1], out, bm, bw, split, stages))
                 except Exception as e:  # a box or shared-memory size this GPU's compile refuses
                     print(f"# {model}/{layer} {name}: {type(e).__name__}: {str(e)[:160]}", flush=True)
                     continue

@@ -11,7 +11,8 @@ sizes); median over replays.  The gate_up and the down candidates are timed sepa
 variant are independent choices), then the best pair as a whole layer, today's path
 (``dispatch.moe_flow.nvfp4_moe``, the dispatch's W4A16 plan) in the same run, and the launch cost of a graph of two
 empty Triton kernels (with ``--read-ceiling``, also two launches that only read the touched experts' codes and
-scales: what a two-kernel layer cannot beat).  Floor = codes + scales bytes of the experts each call routes to / DRAM read bandwidth
+scales: what a two-kernel layer cannot beat).  Floor = codes + scales bytes of the experts each call routes to /
+DRAM read bandwidth
 measured in the same run (``bench.dram_read_tbs``).  Rows go to ``$OUT/moe_decode.json``; a compact table prints
 last.  Runs without vLLM.
 """
@@ -43,6 +44,7 @@ from vllm_nvfp4_sm120.kernels.moe_decode import (  # noqa: E402
     tma_ok,
 )
 from vllm_nvfp4_sm120.kernels.moe_decode_fused import check_fused_tiles, fused_workspace, moe_decode_fused  # noqa: E402
+from vllm_nvfp4_sm120.bench import xor_words  # noqa: E402
 
 SHAPES = {  # name: (H, I, E, top_k)
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -287,20 +289,11 @@ def read_experts(codes, scales, ids, out, block_m=16, block_w=64):
     return out
 
 
-def _xor_words(t: torch.Tensor) -> int:
-    v = t.reshape(-1).to(torch.int64) & 0xFFFFFFFF
-    while v.numel() > 1:
-        if v.numel() % 2:
-            v = torch.cat([v, v.new_zeros(1)])
-        v = v[0::2] ^ v[1::2]
-    return int(v[0]) if v.numel() else 0
-
-
 def read_experts_expected(codes, scales, ids) -> int:
     """What :func:`read_experts` computes over all its programs, in torch."""
     sel = ids.long()
     c, s = codes[sel], scales[sel]
-    return _xor_words(c.reshape(-1).view(torch.int32)) ^ _xor_words(s.view(torch.uint8).reshape(-1).view(torch.int32))
+    return xor_words(c.reshape(-1).view(torch.int32)) ^ xor_words(s.view(torch.uint8).reshape(-1).view(torch.int32))
 
 
 READ_CEILING_TILES = ((16, 64), (32, 64), (16, 128))  # (rows, words) per program: the best is the ceiling
@@ -549,8 +542,8 @@ def _read_ceiling(row: dict, banks, routes, clock) -> None:
 
         calls()
         (b13, b2), (o13, o2) = banks[0], outs[0]
-        if (_xor_words(o13) != read_experts_expected(b13[0], b13[1], ids[0])
-                or _xor_words(o2) != read_experts_expected(b2[0], b2[1], ids[0])):
+        if (xor_words(o13) != read_experts_expected(b13[0], b13[1], ids[0])
+                or xor_words(o2) != read_experts_expected(b2[0], b2[1], ids[0])):
             row["failed"].append(f"read ceiling {bm}x{bw}")
             continue
         us = clock.seconds(calls) / len(banks) * 1e6

@@ -93,6 +93,17 @@ def dram_read_tbs(nbytes: int = 4 << 30) -> float:
     return nbytes / sec / 1e12
 
 
+def xor_words(t: torch.Tensor) -> int:
+    """The xor of a tensor's elements as 32-bit words: the check of the read-ceiling kernels (benchmarks/), which
+    combine the bytes they read the same way (no decode, so their time is the bytes' arrival alone)."""
+    v = t.reshape(-1).to(torch.int64) & 0xFFFFFFFF
+    while v.numel() > 1:
+        if v.numel() % 2:
+            v = torch.cat([v, v.new_zeros(1)])
+        v = v[0::2] ^ v[1::2]
+    return int(v[0]) if v.numel() else 0
+
+
 def cublas_bf16_tflops(n: int = 8192) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)

@@ -23,10 +23,10 @@ _spec.loader.exec_module(sweep)
 def test_read_only_kernel_reads_every_byte(gen, n, k, block_m, split):
     w = random_nvfp4((n, k), gen=gen)
     out = torch.empty(-(-n // block_m) * split, dtype=torch.int32)
-    got = sweep._xor_all(sweep.read_only(w.codes, w.scales, out, block_m=block_m, split=split))
+    got = sweep.xor_words(sweep.read_only(w.codes, w.scales, out, block_m=block_m, split=split))
     assert got == sweep.read_only_expected(w.codes, w.scales, block_m)
     w.codes[n // 2, 3] ^= 1  # one flipped bit anywhere changes the result
-    got2 = sweep._xor_all(sweep.read_only(w.codes, w.scales, out, block_m=block_m, split=split))
+    got2 = sweep.xor_words(sweep.read_only(w.codes, w.scales, out, block_m=block_m, split=split))
     assert got2 == got ^ (1 << 24)
 
 
@@ -36,10 +36,10 @@ def test_read_only_kernel_reads_every_byte(gen, n, k, block_m, split):
 def test_read_only_tma_kernel_reads_every_byte(gen, n, k, block_m, block_w, split):
     w = random_nvfp4((n, k), gen=gen)
     out = torch.empty(-(-n // block_m) * split, dtype=torch.int32)
-    got = sweep._xor_all(sweep.read_only_tma(w.codes, w.scales, out, block_m, block_w, split, num_stages=2))
+    got = sweep.xor_words(sweep.read_only_tma(w.codes, w.scales, out, block_m, block_w, split, num_stages=2))
     assert got == sweep.read_only_expected(w.codes, w.scales, 1)  # rows past N are TMA's zeros
     w.scales.view(torch.uint8)[n - 1, -1] ^= 1  # the last scale byte counts too
-    got2 = sweep._xor_all(sweep.read_only_tma(w.codes, w.scales, out, block_m, block_w, split, num_stages=2))
+    got2 = sweep.xor_words(sweep.read_only_tma(w.codes, w.scales, out, block_m, block_w, split, num_stages=2))
     assert got2 == got ^ (1 << 24)
 
 

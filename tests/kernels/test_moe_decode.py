@@ -906,11 +906,11 @@ def test_sweep_read_ceiling(tmp_path, gen):
     scales = torch.randint(0, 256, (6, 40, 12), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
     ids = torch.tensor([1, 4], dtype=torch.int32)
     out = torch.empty(2 * 3, dtype=torch.int32)
-    got = SWEEP._xor_words(SWEEP.read_experts(codes.to(DEVICE), scales.to(DEVICE), ids.to(DEVICE), out.to(DEVICE)))
+    got = SWEEP.xor_words(SWEEP.read_experts(codes.to(DEVICE), scales.to(DEVICE), ids.to(DEVICE), out.to(DEVICE)))
     assert got == SWEEP.read_experts_expected(codes, scales, ids)
     codes[4, 39, 95] ^= 0x80  # the last byte of a touched expert
     codes[2, 0, 0] ^= 1  # an untouched expert
-    got2 = SWEEP._xor_words(SWEEP.read_experts(codes.to(DEVICE), scales.to(DEVICE), ids.to(DEVICE), out.to(DEVICE)))
+    got2 = SWEEP.xor_words(SWEEP.read_experts(codes.to(DEVICE), scales.to(DEVICE), ids.to(DEVICE), out.to(DEVICE)))
     assert got2 == got ^ (0x80 << 24)
 
 
