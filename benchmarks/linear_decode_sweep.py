@@ -43,8 +43,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_nvfp4_sm120.bench import MODELS, dram_read_tbs, time_graph  # noqa: E402
-from vllm_nvfp4_sm120.bench import xor_words  # noqa: E402
+from vllm_nvfp4_sm120.bench import MODELS, dram_read_tbs, time_graph, xor_words  # noqa: E402
 from vllm_nvfp4_sm120.dispatch.gemv_stream_plan import stream_plan, wave_ctas  # noqa: E402
 from vllm_nvfp4_sm120.format import linear_w4a16_ref, random_nvfp4, unit_values  # noqa: E402
 from vllm_nvfp4_sm120.kernels import gluon_gemv  # noqa: E402

@@ -264,8 +264,8 @@ def _read_experts_kernel(w_ptr, s_ptr, ids_ptr, out_ptr, ROWS, WORDS, SWORDS,
     """Program (expert slot, row tile) xors rows [pid_r * BLOCK_M, ...) of expert ids[slot]: codes then scales."""
     slot, pid_r = tl.program_id(0), tl.program_id(1)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
-    rows = tl.minimum(pid_r * BLOCK_M + tl.arange(0, BLOCK_M), ROWS - 1).to(tl.int64)
-    keep = (pid_r * BLOCK_M + tl.arange(0, BLOCK_M) < ROWS)[:, None]
+    rows = (pid_r * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    keep = (rows < ROWS)[:, None]  # rows past the bank's read nothing (the expected xor is the experts' alone)
     cols = tl.arange(0, BLOCK_W)
     acc = tl.zeros([BLOCK_M, BLOCK_W], dtype=tl.int32)
     base = w_ptr + (expert * ROWS + rows[:, None]) * WORDS
@@ -289,11 +289,16 @@ def read_experts(codes, scales, ids, out, block_m=16, block_w=64):
     return out
 
 
+def read_experts_out(codes, ids, block_m=16) -> torch.Tensor:
+    """The ``out`` of :func:`read_experts`: one int32 per (expert of ``ids``, row tile)."""
+    return torch.empty(ids.numel() * triton.cdiv(codes.shape[1], block_m), dtype=torch.int32, device=codes.device)
+
+
 def read_experts_expected(codes, scales, ids) -> int:
     """What :func:`read_experts` computes over all its programs, in torch."""
     sel = ids.long()
     c, s = codes[sel], scales[sel]
-    return xor_words(c.reshape(-1).view(torch.int32)) ^ xor_words(s.view(torch.uint8).reshape(-1).view(torch.int32))
+    return xor_words(c.view(torch.int32)) ^ xor_words(s.view(torch.uint8).view(torch.int32))
 
 
 READ_CEILING_TILES = ((16, 64), (32, 64), (16, 128))  # (rows, words) per program: the best is the ceiling
@@ -530,10 +535,8 @@ def _read_ceiling(row: dict, banks, routes, clock) -> None:
     xor checked on the first call; the best of READ_CEILING_TILES into ``row``."""
     ids = [torch.unique(ti).to(torch.int32) for _, ti in routes]
     for bm, bw in READ_CEILING_TILES:
-        outs = [(torch.empty(ids[c].numel() * triton.cdiv(b13[0].shape[1], bm), dtype=torch.int32,
-                             device=ids[c].device),
-                 torch.empty(ids[c].numel() * triton.cdiv(b2[0].shape[1], bm), dtype=torch.int32,
-                             device=ids[c].device)) for c, (b13, b2) in enumerate(banks)]
+        outs = [(read_experts_out(b13[0], ids[c], bm), read_experts_out(b2[0], ids[c], bm))
+                for c, (b13, b2) in enumerate(banks)]
 
         def calls(bm=bm, bw=bw, outs=outs):
             for c, (b13, b2) in enumerate(banks):
