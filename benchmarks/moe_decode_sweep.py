@@ -232,6 +232,13 @@ FUSED_PAIRS = {
     "t4-n32": ("gu-n32k128-w2-st3-shift-r248", "exp-n32k256-w2-st2-shift-r248-fused"),
     "wide": ("gu-n32k128-w1-st3-shift", "exp-n32k128-w1-st3-shift-fused"),
 }
+# The table's gate_up tiles with the down prefetch ("-pfd": each program first asks L2 for its share of its expert's
+# down rows).  The decode loop streams at ~2 TB/s of the H200's ~4.4 (issue-bound), so the down's bytes can come in
+# during the gate_up kernel and the down kernel read L2; where the touched experts' down bytes outgrow L2 the
+# prefetched lines are evicted by the gate_up stream before use.  A layer shows it (--pairs); timed alone, such a
+# tile only adds the prefetch's traffic.
+for _name in ("gu-n16k256-kw4-st3-shift", "gu-n16k128-w2-st3", "gu-n32k128-w2-st3-shift", "gu-n32k128-w1-st3-shift"):
+    GATE_UP[_name + "-pfd"] = replace(GATE_UP[_name], prefetch_down=True)
 # What a run sweeps without --gate-up / --down (about ten kernel tiles: each compiles once per routing bucket, and
 # the compiles are most of the ~4 minutes); the others are there for a focused second run.
 DEFAULT_GATE_UP = ("gu-n16k256-w2-tma", "gu-n16k512-w2-tma", "gu-n8k256-w1-tma", "gu-n32k256-w4-tma",
@@ -481,12 +488,12 @@ def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_re
         if check(gname, gname, check_d):
             def gate_calls(tile=tile):
                 for c in range(copies):
-                    (c13, s13, d13), _ = banks[c]
-                    moe_decode_gate_up(x, c13, s13, d13, routes[c][1], tile=tile)
+                    (c13, s13, d13), down_bank = banks[c]
+                    moe_decode_gate_up(x, c13, s13, d13, routes[c][1], tile=tile, down_bank=down_bank)
 
             row["gate_up_us"][gname] = clock.seconds(gate_calls) / copies * 1e6
-    inters = ([moe_decode_gate_up(x, *banks[c][0], routes[c][1], tile=GATE_UP[check_g]) for c in range(copies)]
-              if downs else [])
+    inters = ([moe_decode_gate_up(x, *banks[c][0], routes[c][1], tile=GATE_UP[check_g], down_bank=banks[c][1])
+               for c in range(copies)] if downs else [])
     for dname, (kind, det, dtile) in downs.items():  # down alone
         if not check(dname, check_g, dname):
             continue

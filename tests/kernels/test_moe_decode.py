@@ -233,6 +233,14 @@ def _bad_input_cases():
                                                           tile=replace(WGMMA_SHIFT, block_n=64))),
         ("tile: gate_up with shift_decode", lambda: md.prepare_moe_decode_gate_up(
             2, 80, 96, 8, 2, 8, x.device, tile=WGMMA_SHIFT, activation="silu", has_map=False, zero_numel=None)),
+        # The down prefetch needs the down bank, of this layer's shape; a down kernel has no such switch.
+        ("down_bank", lambda: gate(x, w13.codes, w13.scales, d13, ti, tile=replace(DOT, prefetch_down=True))),
+        ("w2_codes", lambda: gate(x, w13.codes, w13.scales, d13, ti, tile=replace(DOT, prefetch_down=True),
+                                  down_bank=(w2.codes[:, :, :40], w2.scales, d2))),
+        ("w2_scales", lambda: gate(x, w13.codes, w13.scales, d13, ti, tile=replace(DOT, prefetch_down=True),
+                                   down_bank=(w2.codes, w2.scales[:, :-1], d2))),
+        ("tile: prefetch_down", lambda: tok(inter, w2.codes, w2.scales, d2, ti, tw,
+                                            tile=replace(DOT, prefetch_down=True))),
         # K splits add into the atomic sums: neither the token-major nor the deterministic down has them.
         ("tile: split_k", lambda: tok(inter, w2.codes, w2.scales, d2, ti, tw, tile=DOWN_SPLIT2)),
         ("tile: split_k", lambda: moe_decode_down_expert(inter, w2.codes, w2.scales, d2, ti, tw,
@@ -246,6 +254,28 @@ def test_bad_input_names_the_tensor(case):
     name, call = _bad_input_cases()[case]
     with pytest.raises((ValueError, TypeError), match=name):
         call()
+
+
+@pytest.mark.parametrize("h,programs", [(2048, 48), (2048, 96), (4096, 96), (7168, 64), (80, 6), (336, 2),
+                                        (2048, 4096)])
+def test_prefetch_rows_cover_the_down_rows(h, programs):
+    # The programs of a grid row prefetch PF_ROWS down rows each, from part * PF_ROWS: together every row of the
+    # expert, with under twice the rows one program needs at the least.
+    rows = md.prefetch_rows_per_program(h, programs)
+    assert rows & (rows - 1) == 0
+    assert rows * programs >= h
+    assert rows < 2 * -(-h // programs)
+
+
+def test_prefetch_down_changes_no_result():
+    # Through the layer (the interpreter has no prefetch instruction: the argument path and the launch key), the same
+    # bits as the tile without it; the GPU test runs the prefetch itself.
+    p = _problem(3, 8, 2, 80, 96, with_map=True)
+    gate = DecodeTile(16, 32, 16, num_warps=1, num_stages=2, use_dot=True)
+    down = DecodeTile(16, 32, 16, num_warps=1, num_stages=2, use_dot=True)
+    a = _run(p, gate, down, "token")
+    assert torch.equal(a, _run(p, replace(gate, prefetch_down=True), down, "token"))
+    assert_moe_close(a, _ref(p))
 
 
 def test_too_many_routes():
@@ -313,6 +343,8 @@ def _compile(kind, tile: DecodeTile, extra: tuple = (), dtype: str = "bf16", arc
         consts["PDL"] = tile.pdl
     if kind != "token":
         consts["SPLIT_K"] = tile.split_k
+    if kind == "gate_up":
+        consts |= dict(PREFETCH_DOWN=tile.prefetch_down, PF_ROWS=64)
     return compile_kernel(f"vllm_nvfp4_sm120.kernels.moe_decode:{name}", sig, consts, divisible=div, arch=arch,
                           num_warps=tile.num_warps, num_stages=tile.num_stages, maxnreg=tile.max_regs)
 
@@ -331,6 +363,8 @@ def _check_sass(rep, tile: DecodeTile):
         rep.require_ptx(PTX_TMA_LOAD)
     if tile.pdl:  # the weight rows prefetched to L2, then the wait for the gate_up kernel
         rep.require_ptx(r"prefetch\.global\.L2").require_ptx(r"griddepcontrol\.wait")
+    if tile.prefetch_down:  # the gate_up program's share of its expert's down rows (an L2 prefetch in SASS)
+        rep.require_ptx(r"prefetch\.global\.L2").require_sass(r"\bCCTL\.E\.PF2\b")
     if tile.use_dot:  # the pipelined loads are 16-byte asynchronous copies (the activations at least)
         rep.require_sass(SASS_CP_ASYNC_16B)
     if tile.split_k > 1:  # the arrival count releases the partial sums; the last split reads them from L2
@@ -544,6 +578,23 @@ def test_gpu_k_warps(name, t, gate_name, down_name):
     h, i, p, ref = _gpu_problem_and_ref(name, t)
     gate, kind, det, dtile = _sweep_tiles(gate_name, down_name, h, i)
     assert_moe_close(_run(p, gate, dtile, kind, det), ref)
+
+
+PFD_GATE_UP = [n for n, tile in SWEEP.GATE_UP.items() if tile.prefetch_down]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_name", PFD_GATE_UP)
+@pytest.mark.parametrize("t", [1, 2, 3, 16])
+@pytest.mark.parametrize("name", GPU_SHAPES)
+def test_gpu_prefetch_down_changes_no_result(name, t, gate_name):
+    # The L2 prefetch of the down rows (every row of every touched expert, an expert map on the odd shape's ranks)
+    # reads and writes nothing the layer uses: the same bits as the tile without it, and the reference's sums.
+    h, i, p, ref = _gpu_problem_and_ref(name, t, with_map=name == "odd")
+    gate, kind, det, dtile = _sweep_tiles(gate_name, "tok-n32k128-w1-st3-shift", h, i)
+    a = _run(p, gate, dtile, kind, det)
+    assert_moe_close(a, ref)
+    assert torch.equal(a, _run(p, replace(gate, prefetch_down=False), dtile, kind, det))
 
 
 # The shift decode needs 16-byte code rows (md.shift_ok); elsewhere the ready launchers run the table decode.  The odd

@@ -136,6 +136,8 @@ def _bad_input_cases():
         ("down_tile", lambda: moe_decode_fused(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti,
                                                gate_up_tile=GATE, down_tile=replace(DOWN, split_k=2))),
         ("gate_up_tile", lambda: moe_decode_fused(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti,
+                                                  gate_up_tile=replace(GATE, prefetch_down=True), down_tile=DOWN)),
+        ("gate_up_tile", lambda: moe_decode_fused(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti,
                                                   gate_up_tile=replace(GATE, use_dot=False, block_t=1),
                                                   down_tile=DOWN)),
         ("activation", lambda: run(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti,

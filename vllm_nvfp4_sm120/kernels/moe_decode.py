@@ -104,7 +104,11 @@ class DecodeTile:
     split into that many slices, one warp each over all the program's rows (a batched ``tl.dot`` ``[k_warps, rows,
     block_k / k_warps]``), the slices' fp32 sums added after the K loop: ``k_warps`` times the warps per weight byte
     in flight without another program, partial sums in memory or an arrival count (``num_warps`` must equal it:
-    Triton puts every warp of a batched MMA on the batch dimension).
+    Triton puts every warp of a batched MMA on the batch dimension).  ``prefetch_down`` (gate_up, GPU): each program
+    first asks L2 for its share of its expert's down rows (codes and scales; the expert's rows split over the
+    programs of its grid row), so the down kernel finds its weights in L2: the decode loop leaves DRAM bandwidth
+    unused, and the down's reads move into the gate_up kernel's time.  It needs the down bank at launch and pays
+    where the touched experts' down bytes stay in L2 beside the gate_up stream.
     """
 
     block_n: int
@@ -119,6 +123,7 @@ class DecodeTile:
     split_k: int = 1  # gate_up and the atomic expert-major down: K splits, each its own program
     shift_decode: bool = False  # the shift decode (tensor cores; see the module docstring)
     k_warps: int = 1  # warps over K within the program (tensor cores; see above)
+    prefetch_down: bool = False  # gate_up: L2 prefetch of the expert's down rows (see above)
     # Registers per thread the compiler may use (the launch option ``maxnreg``; None: its own choice): more
     # programs per SM where registers, not the grid or shared memory, bound them (the compile tests check that a
     # capped tile does not spill).
@@ -199,11 +204,13 @@ _DOWN_INTS = {k: "i32" for k in ("S", "H", "K", "E", "GLOBAL_E", "top_k", "strid
                                  "stride_wse", "stride_wsn", "stride_om")}
 MOE_DECODE_GATE_UP_SIGNATURE = {
     "x_ptr": "*bf16", **_BANK, "out_ptr": "*bf16", "zero_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32",
+    "w2_ptr": "*u8", "w2_sf_ptr": "*u8",
     **{k: "i32" for k in ("S", "I", "K", "E", "GLOBAL_E", "top_k", "zero_numel", "zero_chunk", "stride_xt",
-                          "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_om")},
+                          "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_om", "stride_w2e",
+                          "stride_w2n", "stride_w2se", "stride_w2sn")},
     "ACTIVATION": "constexpr", "HAS_MAP": "constexpr", "BY_EXPERT": "constexpr", "ZERO": "constexpr",
     "S_BLOCK": "constexpr", "FAST_DECODE": "constexpr", "EVEN_K": "constexpr", "GDC": "constexpr",
-    "SPLIT_K": "constexpr", **_TILE_CONSTEXPRS,
+    "SPLIT_K": "constexpr", **_TILE_CONSTEXPRS, "PREFETCH_DOWN": "constexpr", "PF_ROWS": "constexpr",
 }
 MOE_DECODE_DOWN_TOKEN_SIGNATURE = {
     "a_ptr": "*bf16", **_BANK, "tw_ptr": "*fp32", "out_ptr": "*bf16", **_DOWN_INTS,
@@ -549,6 +556,23 @@ def _prefetch_rows(w_ptr, w_sf_ptr, w_rows, s_rows, row_ok, K):
                                   pack=1)
 
 
+@triton.jit
+def _prefetch_down_share(w2_ptr, w2_sf_ptr, e, part, H, I, stride_we, stride_wn, stride_wse, stride_wsn,
+                         PF_ROWS: tl.constexpr):
+    """L2 prefetch of rows ``[part * PF_ROWS, (part + 1) * PF_ROWS)`` of expert ``e``'s down bank (``[E, H, I/2]``
+    codes, ``[E, H, I/16]`` scales), rows past H skipped."""
+    rows = (part * PF_ROWS + tl.arange(0, PF_ROWS)).to(tl.int64)
+    e64 = e.to(tl.int64)
+    _prefetch_rows(w2_ptr, w2_sf_ptr, e64 * stride_we + rows * stride_wn, e64 * stride_wse + rows * stride_wsn,
+                   rows < H, I)
+
+
+def prefetch_rows_per_program(h: int, programs: int) -> int:
+    """``PF_ROWS`` of a gate_up launch with ``prefetch_down``: the down rows one of the ``programs`` programs of a
+    grid row prefetches (a power of two: a tensor's length), so that together they cover all ``h`` rows."""
+    return triton.next_power_of_2(-(-h // programs))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Routing: which program works, and the routes of its expert
 # ---------------------------------------------------------------------------------------------------------------
@@ -771,13 +795,15 @@ def _gate_up_columns(x_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, out_ptr,
 @triton.jit
 def _moe_decode_gate_up_kernel(
     x_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, ids_ptr, map_ptr, out_ptr, zero_ptr, part_ptr, cnt_ptr,
+    w2_ptr, w2_sf_ptr,
     S, I, K, E, GLOBAL_E, top_k, zero_numel, zero_chunk,
     stride_xt, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    stride_w2e, stride_w2n, stride_w2se, stride_w2sn,
     ACTIVATION: tl.constexpr, HAS_MAP: tl.constexpr, BY_EXPERT: tl.constexpr, ZERO: tl.constexpr,
     S_BLOCK: tl.constexpr, FAST_DECODE: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
     GDC: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
     USE_DOT: tl.constexpr, EVICT_FIRST: tl.constexpr, NUM_STAGES: tl.constexpr, SHIFT_DECODE: tl.constexpr,
-    K_WARPS: tl.constexpr,
+    K_WARPS: tl.constexpr, PREFETCH_DOWN: tl.constexpr, PF_ROWS: tl.constexpr,
 ):
     # A down kernel launched as a programmatic dependent may start its prologue (routing, L2 prefetch of its
     # weights: nothing this kernel writes) as soon as every program here has started.
@@ -789,6 +815,9 @@ def _moe_decode_gate_up_kernel(
         if kid == 0:
             _zero_slice(zero_ptr, row * tl.num_programs(1) + pid_n, zero_numel, zero_chunk, _ZERO_BLOCK)
     live, e, seen, count = _program_expert(row, ids_ptr, map_ptr, S, E, GLOBAL_E, HAS_MAP, BY_EXPERT, S_BLOCK)
+    if PREFETCH_DOWN and live:  # the down rows of the expert (H = K of this bank), PF_ROWS per program of the row
+        _prefetch_down_share(w2_ptr, w2_sf_ptr, e, pid_n * SPLIT_K + kid, K, I, stride_w2e, stride_w2n, stride_w2se,
+                             stride_w2sn, PF_ROWS)
     if live and SPLIT_K > 1:
         _gate_up_split(x_ptr, w_ptr, w_sf_ptr, w_desc, s_desc, w_dec_ptr, out_ptr, part_ptr, cnt_ptr, row, pid_n, kid,
                        e, seen, count, S, I, K, top_k, stride_xt, stride_we, stride_wn, stride_wse, stride_wsn,
@@ -1150,7 +1179,7 @@ def _descriptors(name: str, codes, scale_bytes, parts: int, tile: DecodeTile):
 
 def moe_decode_gate_up(
     x, w13_codes, w13_scales, w13_dec, topk_ids, *, tile: DecodeTile, expert_map=None, activation: str = "silu",
-    out=None, zero=None, check_ids: bool = False,
+    out=None, zero=None, check_ids: bool = False, down_bank=None,
 ):
     """``act(x[t] @ w13[e, :I]^T * dec) * (x[t] @ w13[e, I:]^T * dec)`` per route → intermediate ``[T * top_k, I]``
     in ``x.dtype`` (rows of routes without a local expert are left unwritten).
@@ -1158,7 +1187,8 @@ def moe_decode_gate_up(
     ``x [T, H]`` bf16/fp16 (rows may be strided); ``topk_ids [T, top_k]`` int32/int64 global ids, mapped by
     ``expert_map [global_E]`` int32 (-1: another rank's expert).  ``zero``: an fp32 tensor (any shape, contiguous)
     the kernel's programs zero before any other work, e.g. the accumulator of :func:`moe_decode_down_expert`'s
-    atomic mode, saving a memset launch.
+    atomic mode, saving a memset launch.  ``down_bank``: ``(w2_codes [E, H, I/2], w2_scales [E, H, I/16], w2_dec)``,
+    the bank a ``prefetch_down`` tile prefetches (required by such a tile, read by no other).
     """
     import torch
 
@@ -1183,16 +1213,26 @@ def moe_decode_gate_up(
         if not zero.is_contiguous():
             raise ValueError("zero: expected a contiguous tensor (its storage is zeroed flat)")
     tile.check_rows(2 * tile.block_n, "gate_up")
+    w2 = w2_sf = None
+    if tile.prefetch_down:
+        if down_bank is None:
+            raise ValueError("down_bank: a prefetch_down tile needs the down bank (w2_codes, w2_scales, w2_dec)")
+        w2 = down_bank[0]
+        w2_sf = _check_bank("w2", *down_bank, h, i, x.device)[0]
+        if w2.shape[0] != e:
+            raise ValueError(f"w2_codes: expected {e} experts (as w13_codes), got shape {list(w2.shape)}")
     if s == 0:
         if zero is not None:
             zero.zero_()
         return out
     run = prepare_moe_decode_gate_up(t, h, i, e, k, global_e, x.device, tile=tile, activation=activation,
                                      has_map=has_map, zero_numel=None if zero is None else zero.numel())
-    return run(x, w13_codes, w_sf, w13_dec, topk_ids, emap, out, zero)
+    return run(x, w13_codes, w_sf, w13_dec, topk_ids, emap, out, zero, w2, w2_sf)
 
 
 def _check_down_split(tile: DecodeTile, kernel: str, deterministic: bool) -> None:
+    if tile.prefetch_down:
+        raise ValueError(f"tile: prefetch_down is a gate_up switch; the {kernel} kernel has none")
     if tile.split_k != 1 and (kernel != "down_expert" or deterministic):
         raise ValueError(f"tile: split_k is for the gate_up and the atomic expert-major down; the {kernel} kernel"
                          f"{' in deterministic mode' if deterministic else ''} has none (got {tile.split_k})")
@@ -1294,7 +1334,7 @@ def moe_decode(
                                    x.device)
     inter = moe_decode_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, tile=gate_up_tile, expert_map=expert_map,
                                activation=activation, zero=ws if (ws is not None and not deterministic) else None,
-                               check_ids=check_ids)
+                               check_ids=check_ids, down_bank=(w2_codes, w2_scales, w2_dec))
     if down == "token":
         return moe_decode_down_token(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, tile=down_tile,
                                      expert_map=expert_map, out=out)
@@ -1317,8 +1357,9 @@ def down_expert_workspace_numel(t: int, top_k: int, h: int, tile: DecodeTile, de
 
 def prepare_moe_decode_gate_up(t: int, h: int, i: int, e: int, top_k: int, global_e: int, device, *,
                                tile: DecodeTile, activation: str, has_map: bool, zero_numel: int | None):
-    """``run(x, w13_codes, w13_sf, w13_dec, topk_ids, emap, out=None, zero=None) -> out [T * top_k, I]``;
-    ``zero``: a tensor of ``zero_numel`` elements (None: no zeroing)."""
+    """``run(x, w13_codes, w13_sf, w13_dec, topk_ids, emap, out=None, zero=None, w2_codes=None, w2_sf=None) -> out
+    [T * top_k, I]``; ``zero``: a tensor of ``zero_numel`` elements (None: no zeroing); ``w2_codes`` / ``w2_sf``
+    (the down bank's codes and scale bytes): required by a ``prefetch_down`` tile."""
     import torch
 
     from .launch import ReadyKernel
@@ -1332,17 +1373,26 @@ def prepare_moe_decode_gate_up(t: int, h: int, i: int, e: int, top_k: int, globa
     zero_chunk = -(-zero_numel // programs) if has_zero else 0
     split = tile.split_k > 1
     shift = tile.shift_decode and shift_ok(h)
-    launches = _Launches(lambda shift, stride_x, stride_w, stride_sf, stride_o: ReadyKernel(
+    # A prefetch is a GPU instruction (the interpreter has none); it changes no result.
+    prefetch = tile.prefetch_down and device.type == "cuda" and not _interpreting()
+    pf_rows = prefetch_rows_per_program(h, grid[1] * grid[2])
+    launches = _Launches(lambda shift, stride_x, stride_w, stride_sf, stride_o, stride_w2=(0, 0), stride_sf2=(0, 0):
+                         ReadyKernel(
         _moe_decode_gate_up_kernel, grid, S=s, I=i, K=h, E=e, GLOBAL_E=global_e, top_k=top_k,
         zero_numel=zero_numel if has_zero else 0, zero_chunk=zero_chunk, stride_xt=stride_x,
         stride_we=stride_w[0], stride_wn=stride_w[1], stride_wse=stride_sf[0], stride_wsn=stride_sf[1],
-        stride_om=stride_o, ACTIVATION=activation, HAS_MAP=has_map, BY_EXPERT=rows < s, ZERO=has_zero,
+        stride_om=stride_o, stride_w2e=stride_w2[0], stride_w2n=stride_w2[1], stride_w2se=stride_sf2[0],
+        stride_w2sn=stride_sf2[1], ACTIVATION=activation, HAS_MAP=has_map, BY_EXPERT=rows < s, ZERO=has_zero,
         S_BLOCK=route_block(s), FAST_DECODE=_fast_decode(device), EVEN_K=h % tile.block_k == 0,
         GDC=_gdc_ok(device), SPLIT_K=tile.split_k, **(tile.kernel_kwargs() | {"SHIFT_DECODE": shift}),
-        **tile.launch_kwargs(),
+        PREFETCH_DOWN=prefetch, PF_ROWS=pf_rows, **tile.launch_kwargs(),
     ))
 
-    def run(x, w13_codes, w_sf, w13_dec, topk_ids, emap, out=None, zero=None):
+    def run(x, w13_codes, w_sf, w13_dec, topk_ids, emap, out=None, zero=None, w2_codes=None, w2_sf=None):
+        if prefetch and w2_codes is None:
+            raise ValueError("w2_codes: a prefetch_down tile needs the down bank")
+        if w2_codes is None:  # unused without the prefetch
+            w2_codes, w2_sf = w13_codes, w_sf
         if out is None:
             out = torch.empty((s, i), dtype=x.dtype, device=x.device)
         part = cnt = w13_dec  # unused without split_k
@@ -1350,9 +1400,12 @@ def prepare_moe_decode_gate_up(t: int, h: int, i: int, e: int, top_k: int, globa
             part = torch.empty(tile.split_k * s * 2 * i, dtype=torch.float32, device=x.device)
             cnt = torch.zeros(rows * grid[1], dtype=torch.int32, device=x.device)
         w_desc, s_desc = _descriptors("w13", w13_codes, w_sf, 2, tile)
-        launch = launches(_launch_key(shift, x, w13_codes, w_sf, out))
+        key = _launch_key(shift, x, w13_codes, w_sf, out)
+        if prefetch:
+            key += (w2_codes.stride()[:2], w2_sf.stride()[:2])
+        launch = launches(key)
         launch(x, w13_codes, w_sf, w_desc, s_desc, w13_dec, topk_ids, emap, out, zero if has_zero else w13_dec,
-               part, cnt)
+               part, cnt, w2_codes, w2_sf)
         return out
 
     return run
