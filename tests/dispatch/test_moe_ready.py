@@ -44,6 +44,11 @@ def _plan(case: str):
     if case == "split-k":  # on the T = 2 tile (the T = 1 one has warps over K, whose slices need block_k >= 128)
         plan = decode_tier_plan(SM90, 2, hidden=112, intermediate=96)
         return replace(plan, gate_up=replace(plan.gate_up, block_k=32, split_k=2)), 112, 96, False, False
+    if case.startswith("prefetch"):  # the gate_up tile's down prefetch (the down bank through both paths)
+        token = case.endswith("-token")  # token-major from T = 8 where I <= 512; expert-major (atomic) at T = 4
+        plan = decode_tier_plan(SM90, 8 if token else 4, hidden=112, intermediate=96)
+        assert plan.decode_down == ("token" if token else "expert")
+        return replace(plan, gate_up=replace(plan.gate_up, prefetch_down=True)), 112, 96, False, False
     if case.startswith("fused"):  # one launch: gate_up of 16 stacked rows, a 16-row down, 4 warps each
         plan = fused_decode_plan(SM90, DecodeTile(8, 32, 16, num_warps=4, num_stages=2, use_dot=True),
                                  DecodeTile(16, 32, 16, num_warps=4, num_stages=2, use_dot=True), hidden=112,
@@ -95,7 +100,8 @@ def _enc(plan, x):
         x.device)
 
 
-@pytest.mark.parametrize("case", ["expert-atomic-tma", "expert-det", "token-map", "split-k", "fused", "fused-map",
+@pytest.mark.parametrize("case", ["expert-atomic-tma", "expert-det", "token-map", "split-k", "prefetch-expert",
+                                  "prefetch-token", "fused", "fused-map",
                                   "tiers-atomic",
                                   "tiers-det", "tiers-map", "tiers-w4a4-atomic", "tiers-w4a4-det", "tiers-w4a4-map"])
 def test_ready_layer_equals_validating_flow(case, gen):

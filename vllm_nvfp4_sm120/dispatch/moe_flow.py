@@ -249,8 +249,10 @@ def _run_decode(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, 
     ws = (down_expert_workspace(x.shape[0], topk_ids.shape[1], w2_codes.shape[1], plan.down, deterministic, x.device)
           if by_expert else None)
     # 1. gate_up with the gated activation → intermediate [T * top_k, I], one row per route.
+    # (the down bank goes with it: a gate_up tile may prefetch the down rows into L2)
     inter = gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, expert_map=expert_map, activation=activation,
-                    zero=ws if by_expert and not deterministic else None, **plan.gate_up_kwargs())
+                    zero=ws if by_expert and not deterministic else None, down_bank=(w2_codes, w2_scales, w2_dec),
+                    **plan.gate_up_kwargs())
     # 2. down with the routing weight and the top-k sum → out [T, H].
     return down(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, ws, expert_map=expert_map,
                 deterministic=deterministic, out=out, **plan.down_kwargs())

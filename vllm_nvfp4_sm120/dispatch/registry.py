@@ -309,7 +309,8 @@ def prepare_moe_decode(plan, r: MoeReady):
             topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
             emap = expert_map if has_map else topk_ids
             ws = torch.empty(numel, dtype=torch.float32, device=device)
-            inter = gate_up(x, w13_codes, w13_scales.view(u8), w13_dec, topk_ids, emap, None, ws if zeroed else None)
+            inter = gate_up(x, w13_codes, w13_scales.view(u8), w13_dec, topk_ids, emap, None, ws if zeroed else None,
+                            w2_codes, w2_scales.view(u8))
             return down(inter, w2_codes, w2_scales.view(u8), w2_dec, topk_ids, emap, topk_weights, ws, out)
     else:
         down = moe_decode.prepare_moe_decode_down_token(*dims, tile=plan.down, has_map=has_map)
@@ -318,7 +319,8 @@ def prepare_moe_decode(plan, r: MoeReady):
                 a2_enc, expert_map, out):
             topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
             emap = expert_map if has_map else topk_ids
-            inter = gate_up(x, w13_codes, w13_scales.view(u8), w13_dec, topk_ids, emap)
+            inter = gate_up(x, w13_codes, w13_scales.view(u8), w13_dec, topk_ids, emap, None, None, w2_codes,
+                            w2_scales.view(u8))
             return down(inter, w2_codes, w2_scales.view(u8), w2_dec, topk_ids, emap, topk_weights, out)
 
     return run
