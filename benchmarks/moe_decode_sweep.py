@@ -236,7 +236,8 @@ FUSED_PAIRS = {
 # down rows).  The decode loop streams at ~2 TB/s of the H200's ~4.4 (issue-bound), so the down's bytes can come in
 # during the gate_up kernel and the down kernel read L2; where the touched experts' down bytes outgrow L2 the
 # prefetched lines are evicted by the gate_up stream before use.  A layer shows it (--pairs); timed alone, such a
-# tile only adds the prefetch's traffic.
+# tile only adds the prefetch's traffic.  Device run 57 (H100): 1.01-1.26x slower than the same pairs without it on
+# every shape at T = 1-16 (docs/benchmarks.md); kept for an sm_120 run.
 for _name in ("gu-n16k256-kw4-st3-shift", "gu-n16k128-w2-st3", "gu-n32k128-w2-st3-shift", "gu-n32k128-w1-st3-shift"):
     GATE_UP[_name + "-pfd"] = replace(GATE_UP[_name], prefetch_down=True)
 # What a run sweeps without --gate-up / --down (about ten kernel tiles: each compiles once per routing bucket, and

@@ -208,7 +208,8 @@ GLUON_EPILOGUE_WARPS = 4
 # Runs 22-24 found the narrow K step best (a third to a quarter of the shared memory of the run-17 tiles, so more
 # programs share an SM; more stages, split K and one-warp programs were slower at every point); run 25 the shift
 # decode with 32 weight rows per warp from T = 4 (its activation permutation is shared by more rows); device run 31
-# four warps over K in each T = 1 program (k_warps: 4x the decode warps of the 384 programs at 8 routes).
+# four warps over K in each T = 1 program (k_warps: 4x the decode warps of the 384 programs at 8 routes).  None
+# prefetches the down rows (``prefetch_down``): 1.01-1.26x slower on every shape at T = 1-16 (H100, device run 57).
 DECODE_GATE_UP_TILES = {
     "gu-n16k256-kw4-st3-shift": DecodeTile(16, 256, 16, num_warps=4, num_stages=3, use_dot=True, k_warps=4,
                                            shift_decode=True),
