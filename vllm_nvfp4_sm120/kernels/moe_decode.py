@@ -107,8 +107,8 @@ class DecodeTile:
     Triton puts every warp of a batched MMA on the batch dimension).  ``prefetch_down`` (gate_up, GPU): each program
     first asks L2 for its share of its expert's down rows (codes and scales; the expert's rows split over the
     programs of its grid row), so the down kernel finds its weights in L2: the decode loop leaves DRAM bandwidth
-    unused, and the down's reads move into the gate_up kernel's time.  It needs the down bank at launch and pays
-    where the touched experts' down bytes stay in L2 beside the gate_up stream.
+    unused, and the down's reads could move into the gate_up kernel's time.  It needs the down bank at launch.  On an
+    H100 every layer was slower with it (docs/benchmarks.md, device run 57): a sweep candidate, in no table row.
     """
 
     block_n: int
