@@ -780,7 +780,8 @@ def test_shift_decode_only_on_16_byte_code_rows(recorded):
 
 
 _GATE_UP_INTS = ("S", "I", "K", "E", "GLOBAL_E", "top_k", "zero_numel", "zero_chunk", "stride_xt", "stride_we",
-                 "stride_wn", "stride_wse", "stride_wsn", "stride_om")
+                 "stride_wn", "stride_wse", "stride_wsn", "stride_om", "stride_w2e", "stride_w2n", "stride_w2se",
+                 "stride_w2sn")
 _DOWN_INTS = ("S", "H", "K", "E", "GLOBAL_E", "top_k", "stride_am", "stride_we", "stride_wn", "stride_wse",
               "stride_wsn", "stride_om")
 
@@ -801,9 +802,9 @@ def test_ready_gate_up_fixes_its_integers_per_stride(recorded, strided):
     assert {n: first.const[n] for n in _GATE_UP_INTS} == dict(
         S=t * k, I=i, K=h, E=e, GLOBAL_E=ge, top_k=k, zero_numel=40, zero_chunk=-(-40 // (min(t * k, e) * 2)),
         stride_xt=h, stride_we=2 * i * h // 2, stride_wn=h // 2, stride_wse=2 * i * h // 16, stride_wsn=h // 16,
-        stride_om=i)
+        stride_om=i, stride_w2e=0, stride_w2n=0, stride_w2se=0, stride_w2sn=0)  # (no down prefetch)
     assert out.shape == (t * k, i)
-    want = (x, codes, sf, codes, sf, dec, ids, ids, out, zero, dec, dec)
+    want = (x, codes, sf, codes, sf, dec, ids, ids, out, zero, dec, dec, codes, sf)
     assert len(first.calls[0]) == len(want) and all(a is b for a, b in zip(first.calls[0], want))
     wide = {"x": torch.zeros(t, 2 * h, dtype=torch.bfloat16)[:, :h],
             "codes": torch.zeros(e, 2 * i, h, dtype=torch.uint8)[:, :, :h // 2],
