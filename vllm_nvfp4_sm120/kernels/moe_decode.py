@@ -1230,7 +1230,7 @@ def moe_decode_gate_up(
     return run(x, w13_codes, w_sf, w13_dec, topk_ids, emap, out, zero, w2, w2_sf)
 
 
-def _check_down_split(tile: DecodeTile, kernel: str, deterministic: bool) -> None:
+def _check_down_tile(tile: DecodeTile, kernel: str, deterministic: bool) -> None:
     if tile.prefetch_down:
         raise ValueError(f"tile: prefetch_down is a gate_up switch; the {kernel} kernel has none")
     if tile.split_k != 1 and (kernel != "down_expert" or deterministic):
@@ -1254,7 +1254,7 @@ def _check_down(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expe
         out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
     check_tensor("out", out, dtype=inter.dtype, shape=[t, h], last_dim_contiguous=True, device=inter.device)
     tile.check_rows(tile.block_n, kernel)
-    _check_down_split(tile, kernel, deterministic)
+    _check_down_tile(tile, kernel, deterministic)
     return w_sf, e, h, i, t, k, global_e, emap, has_map, out
 
 
@@ -1450,7 +1450,7 @@ def prepare_moe_decode_down_expert(t: int, h: int, i: int, e: int, top_k: int, g
     from .launch import ReadyKernel
 
     tile.check_rows(tile.block_n, "down_expert")  # a tile passed without the validating launchers
-    _check_down_split(tile, "down_expert", deterministic)
+    _check_down_tile(tile, "down_expert", deterministic)
     s = t * top_k
     rows = min(s, e)
     gdc = _gdc_ok(device)
