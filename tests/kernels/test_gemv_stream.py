@@ -83,10 +83,17 @@ def run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
         if not stmt or stmt.startswith(".reg"):
             continue
         op, _, rest = stmt.partition(" ")
-        if op == "mov.b32" and rest.startswith("{"):  # unpack a register into 4 bytes
+        if op == "mov.b32" and rest.startswith("{"):  # unpack a register into 4 bytes or 2 halves
             names, src = rest.split("},")
-            for i, name in enumerate(n.strip() for n in names.strip("{ ").split(",")):
-                regs[name] = (regs[src.strip()] >> (8 * i)) & 0xFF
+            names = [n.strip() for n in names.strip("{ ").split(",")]
+            width = 32 // len(names)
+            for i, name in enumerate(names):
+                regs[name] = (regs[src.strip()] >> (width * i)) & ((1 << width) - 1)
+            continue
+        if op == "mov.b32" and "{" in rest:  # pack two halves, the first in the low one
+            dst, _, halves = rest.partition(",")
+            lo, hi = (regs[n.strip()] for n in halves.strip("{} ").split(","))
+            regs[dst.strip()] = (hi & 0xFFFF) << 16 | (lo & 0xFFFF)
             continue
         args = [a.strip() for a in rest.split(",")]
         val = [regs[a] if a in regs else int(a, 0) & 0xFFFFFFFF for a in args[1:]]
@@ -113,6 +120,15 @@ def run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
             r = 0
             for half, code in enumerate((val[0] & 15, val[0] >> 4)):
                 r |= bits_of_float(code >> 3, E2M1_MAG[code & 7], fmt) << (16 * half)
+        elif op.startswith("cvt.rn.") and op.endswith(".e4m3x2"):  # low byte -> low half
+            r = 0
+            for half in range(2):
+                r |= bits_of_float(*e4m3(val[0] >> (8 * half) & 0xFF), fmt) << (16 * half)
+        elif op.startswith("mul.rn."):  # per half, the exact product rounded once
+            r = 0
+            for half in range(2):
+                (sa, ma), (sb, mb) = (float_of_bits(v >> (16 * half) & 0xFFFF, fmt) for v in val)
+                r |= bits_of_float(sa ^ sb, ma * mb, fmt) << (16 * half)
         elif op.startswith("cvt.rn.") and op.endswith(".f32"):  # d = {cvt(a) high, cvt(b) low}
             hi, lo = (bits_of_float(*float_of_bits(v, "f32"), fmt) for v in val[:2])
             r = hi << 16 | lo

@@ -2,8 +2,9 @@
 
 CPU: the kernels in the interpreter (fp16: the interpreter's bf16 ``tl.dot`` is wrong) on tiny shapes with I not a
 multiple of the tile, H not a power of two, both activations, ``expert_map`` with -1, skewed routing (the chunk loop),
-every down variant, the launchers' argument checks, and the device sweep script end to end.  ``compile``: every
-candidate of the sweep (benchmarks/moe_decode_sweep.py) compiled for sm_120 with the intended instructions.
+every down variant, the launchers' argument checks, the device sweep script end to end, and the native-convert decode
+(sm_100+ / sm_120) through a PTX model.  ``compile``: every candidate of the sweep (benchmarks/moe_decode_sweep.py)
+compiled for sm_120 with the intended instructions, and the dispatch's tiles with the native convert.
 ``gpu``: the real checkpoint shapes of moe_gpu_common on the same sources (the H200 runs the PTX decode, TMA and
 programmatic dependent launch, which the interpreter cannot), CUDA-graph replay, and the PTX decode bit-exact.
 """
@@ -441,6 +442,85 @@ def test_switches_compile_for_sm120(kind, extra, dtype):
         rep.require_ptx(r"ld\.global\.cg")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The native-convert decode (sm_100+ / sm_120): its PTX modelled exactly on CPU, every dispatch tile compiled with it
+# ---------------------------------------------------------------------------------------------------------------
+def test_decode_for_picks_the_native_convert_only_where_it_compiles():
+    assert md.decode_for(12, 93) == md.DECODE_CVT  # sm_120 with Triton 3.8's own ptxas
+    assert md.decode_for(10, 92) == md.DECODE_CVT
+    assert md.decode_for(12, 90) == md.DECODE_PTX  # a CUDA 13.0 ptxas: no bf16 convert
+    assert md.decode_for(12, 88) == md.DECODE_PTX
+    assert md.decode_for(9, 93) == md.DECODE_PTX  # sm_90: no e2m1 convert
+    assert md.decode_kind(torch.device("cpu")) == md.DECODE_TL
+
+
+def _word(byte_values) -> int:
+    return sum(b << (8 * i) for i, b in enumerate(byte_values))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "f16"])
+def test_cvt_decode_asm_is_exact_for_every_code_and_scale(fmt):
+    # The scale pairs' asm (4 e4m3 bytes -> 4 (s, s) pairs), then the decode's (4 code bytes and their pairs -> 4
+    # pairs of scaled weights), through the PTX model of test_gemv_stream: every code byte with every finite e4m3
+    # scale (negative, zero and subnormal ones too) in every byte position, against the exact product rounded once.
+    from test_gemv_stream import E2M1_MAG, bits_of_float, e4m3, run_ptx
+
+    scales = [b for b in range(256) if b & 0x7F != 0x7F]
+    scale_asm, decode_asm = md.SCALE_PAIRS_CVT_PTX[fmt].value, md.SCALED_CVT_PTX[fmt].value
+    for g in range(0, len(scales), 4):
+        sc = [scales[(g + i) % len(scales)] for i in range(4)]
+        pairs = run_ptx(scale_asm, {"$4": _word(sc)})
+        for w in range(256):
+            codes = [(w + 64 * i) % 256 for i in range(4)]
+            out = run_ptx(decode_asm, {"$4": _word(codes), **{f"${5 + i}": pairs[f"${i}"] for i in range(4)}})
+            for i, (byte, scale) in enumerate(zip(codes, sc)):
+                s_sign, s_mag = e4m3(scale)
+                for half, code in enumerate((byte & 15, byte >> 4)):
+                    want = bits_of_float((code >> 3) ^ s_sign, E2M1_MAG[code & 7] * s_mag, fmt)
+                    got = out[f"${i}"] >> (16 * half) & 0xFFFF
+                    assert got == want, f"{fmt}: code byte {byte:#04x} (position {i}) scale {scale:#04x}: " \
+                        f"half {half} {got:#06x}, want {want:#06x}"
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("job", _dispatch_jobs(), ids=lambda j: f"{j[0]}-n{j[1].block_n}k{j[1].block_k}"
+                         f"w{j[1].num_warps}{'-tma' if j[1].use_tma else ''}")
+def test_dispatch_decode_tiles_compile_with_the_native_convert(job):
+    # What an sm_120 GPU runs (the launchers turn the shift decode off there).  Per step of the K loop each code
+    # byte is one e2m1 convert, each code word's scale half an e4m3 convert, and no integer decode is left: the
+    # loop has 0.59-0.67 of the instructions of the same tile with the PTX decode (compiled for sm_120 at this
+    # commit: e.g. 505 -> 317 for the T >= 4 gate_up, 970 -> 626 for the pointer-load down).
+    from vllm_nvfp4_sm120.kernels.sass_stats import main_loop
+
+    kind, tile = job
+    rep = _compile(kind, replace(tile, shift_decode=False), (("FAST_DECODE", md.DECODE_CVT),))
+    rep.require_ptx(r"cvt\.rn\.bf16x2\.e2m1x2").require_ptx(r"cvt\.rn\.bf16x2\.e4m3x2")
+    rep.require_sass(SASS_MUL_PAIRS).require_sass(SASS_HMMA).require_no_local().require_smem()
+    if tile.use_tma:
+        rep.require_ptx(PTX_TMA_LOAD)
+    loop, ptx_loop = main_loop(rep.sass), main_loop(_compile(kind, tile).sass)
+    rows = 2 * tile.block_n if kind == "gate_up" else tile.block_n
+    code_bytes = rows * tile.block_k // 2 // (32 * tile.num_warps)  # per thread and step
+    assert loop.count(r"F2FP\.BF16\.E2M1\.UNPACK_B") == code_bytes
+    assert loop.count(r"F2FP\.BF16\.E4M3\.UNPACK_B") * 8 == code_bytes
+    # (the PTX decodes spend 2 or more LOP3 per code word; what is left is the loop's own bookkeeping)
+    assert loop.count(r"LOP3.*") <= 2, dict(loop.ops)
+    assert loop.total <= 0.7 * ptx_loop.total, (loop.total, ptx_loop.total)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kind", ["gate_up", "expert", "token"])
+def test_native_convert_compiles_for_fp16_and_the_cuda_core_tile(kind):
+    rep = _compile(kind, DecodeTile(32, 128, 16, num_warps=2, num_stages=3, use_dot=True),
+                   (("FAST_DECODE", md.DECODE_CVT),), "fp16")
+    rep.require_ptx(r"cvt\.rn\.f16x2\.e2m1x2").require_ptx(r"cvt\.rn\.f16x2\.e4m3x2")
+    rep.require_sass(r"\bF2FP\.F16\.E2M1\.UNPACK_B\b").require_sass(SASS_HMMA).require_no_local().require_smem()
+    # CUDA cores (block_t 1): the bf16 pairs widened to fp32 by shifts, as with the PTX decode.
+    fma = _compile(kind, DecodeTile(16, 64, 1, num_warps=4, num_stages=2, use_dot=False),
+                   (("FAST_DECODE", md.DECODE_CVT),))
+    fma.require_ptx(r"cvt\.rn\.bf16x2\.e2m1x2").require_sass(SASS_FFMA).require_no_local().require_smem()
+
+
 @pytest.mark.compile
 def test_sum_kernel_compiles_for_sm120():
     for has_map in (False, True):
@@ -779,6 +859,28 @@ def test_shift_decode_only_on_16_byte_code_rows(recorded):
     assert recorded[-1].const["SHIFT_DECODE"] is False
 
 
+def test_native_convert_turns_the_shift_decode_off(recorded, monkeypatch):
+    # Where the GPU converts e2m1 itself, every launcher passes that decode and no shift decode (its relabelled k
+    # order exists for the PTX decode only); the validating launcher's path is the ready one.
+    monkeypatch.setattr(md, "decode_kind", lambda device: md.DECODE_CVT)
+    e, h, i, t, k = 4, 512, 64, 1, 2
+    tile = replace(DOT, shift_decode=True)
+    codes, sf = torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8), torch.zeros(e, 2 * i, h // 16, dtype=torch.uint8)
+    x, ids, dec = torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(t, k, dtype=torch.int32), torch.ones(e)
+    md.prepare_moe_decode_gate_up(t, h, i, e, k, e, torch.device("cpu"), tile=tile, activation="silu",
+                                  has_map=False, zero_numel=None)(x, codes, sf, dec, ids, ids)
+    w2, sf2 = torch.zeros(e, h, i // 2, dtype=torch.uint8), torch.zeros(e, h, i // 16, dtype=torch.uint8)
+    inter, tw = torch.zeros(t * k, i, dtype=torch.bfloat16), torch.ones(t, k)
+    down = replace(DOT, block_k=64, shift_decode=True)
+    md.prepare_moe_decode_down_token(t, h, i, e, k, e, torch.device("cpu"), tile=down, has_map=False)(
+        inter, w2, sf2, dec, ids, ids, tw)
+    md.prepare_moe_decode_down_expert(t, h, i, e, k, e, torch.device("cpu"), tile=down, has_map=False,
+                                      deterministic=True)(
+        inter, w2, sf2, dec, ids, ids, tw, md.down_expert_workspace(t, k, h, down, True, "cpu"))
+    decodes = [(r.const["FAST_DECODE"], r.const["SHIFT_DECODE"]) for r in recorded if "FAST_DECODE" in r.const]
+    assert decodes == [(md.DECODE_CVT, False)] * 3
+
+
 _GATE_UP_INTS = ("S", "I", "K", "E", "GLOBAL_E", "top_k", "zero_numel", "zero_chunk", "stride_xt", "stride_we",
                  "stride_wn", "stride_wse", "stride_wsn", "stride_om", "stride_w2e", "stride_w2n", "stride_w2se",
                  "stride_w2sn")
@@ -895,13 +997,16 @@ def test_gpu_fast_decode_bit_exact(dtype):
     sf = scales[(r * 7 + g * 3) % scales.numel()].contiguous().cuda()
     codes = ((torch.arange(block_k // 2)[None, :] + r * 5) % 256).to(torch.uint8).contiguous().cuda()
     outs = {}
-    for fast in (True, False):
+    # An sm_100+ / sm_120 GPU also checks the native convert (the H200 has none).
+    kinds = (True, False) + ((md.DECODE_CVT,) if md.decode_kind(torch.device("cuda")) == md.DECODE_CVT else ())
+    for fast in kinds:
         out = torch.empty(rows, block_k, dtype=dtype, device="cuda")
         out32 = torch.empty(rows, block_k, dtype=torch.float32, device="cuda")
         _decode_probe[(1,)](codes, sf, out, out32, ROWS=rows, BLOCK_K=block_k, FAST=fast, num_warps=4)
         outs[fast] = (out, out32)
-    assert torch.equal(outs[True][0].view(torch.int16), outs[False][0].view(torch.int16))
-    assert torch.equal(outs[True][1].view(torch.int32), outs[False][1].view(torch.int32))
+    for fast in kinds[:1] + kinds[2:]:
+        assert torch.equal(outs[fast][0].view(torch.int16), outs[False][0].view(torch.int16)), fast
+        assert torch.equal(outs[fast][1].view(torch.int32), outs[False][1].view(torch.int32)), fast
     from vllm_nvfp4_sm120.format import unit_values
 
     torch.testing.assert_close(outs[False][1], unit_values(codes, sf.view(torch.float8_e4m3fn)), rtol=0, atol=0)

@@ -4,8 +4,8 @@ CPU: the kernel in the interpreter (fp16) on tiny shapes: T = 0-20, E 8 / 60, to
 tiles, H not a power of two, both activations, ``expert_map`` with -1 (a token with no local expert), skewed routing
 (several chunks per program), one control block over calls of different routings; bit-identical to the two-launch
 path with the deterministic expert-major down; the checks.  ``compile``: every fused pair of the sweep for sm_120
-(no local memory, smem, the ticket / release / acquire protocol, the L2 prefetch, the decode instructions) and the
-sm_90 form.  ``gpu``: the real checkpoint shapes, fp16 and maps, graph replay, a control block shared by layers.
+(no local memory, smem, the ticket / release / acquire protocol, the L2 prefetch, the decode instructions; also with
+the native convert) and the sm_90 form.  ``gpu``: the real checkpoint shapes, fp16 and maps, graph replay, a control block shared by layers.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from moe_gpu_common import assert_moe_close
 from test_moe_decode import SWEEP, _gpu_problem, _problem, _ref
 
+from vllm_nvfp4_sm120.kernels import moe_decode as md
 from vllm_nvfp4_sm120.kernels import moe_decode_fused as mf
 from vllm_nvfp4_sm120.kernels.aot import compile_kernel
 from vllm_nvfp4_sm120.kernels.moe_decode import DecodeTile, moe_decode
@@ -160,14 +161,16 @@ FUSED_PAIRS = list(SWEEP.FUSED_PAIRS.values())
 
 
 @functools.cache
-def _compile(gname: str, dname: str, arch: int = 120, extra: tuple = (), dtype: str = "bf16"):
+def _compile(gname: str, dname: str, arch: int = 120, extra: tuple = (), dtype: str = "bf16",
+             decode: int = md.DECODE_PTX):
     gt, dt = SWEEP.GATE_UP[gname], SWEEP.DOWN[dname][2]
     sig = mf.MOE_DECODE_FUSED_SIGNATURE
     if dtype != "bf16":
         sig = {k: v.replace("bf16", dtype) for k, v in sig.items()}
     return compile_kernel("vllm_nvfp4_sm120.kernels.moe_decode_fused:_moe_decode_fused_kernel", sig,
-                          mf.compile_constexprs(gt, dt) | dict(extra), divisible=mf.MOE_DECODE_FUSED_DIVISIBLE,
-                          arch=arch, num_warps=gt.num_warps, num_stages=gt.num_stages, maxnreg=gt.max_regs)
+                          mf.compile_constexprs(gt, dt, fast_decode=decode) | dict(extra),
+                          divisible=mf.MOE_DECODE_FUSED_DIVISIBLE, arch=arch, num_warps=gt.num_warps,
+                          num_stages=gt.num_stages, maxnreg=gt.max_regs)
 
 
 def test_the_sweep_fused_pairs_are_valid():
@@ -205,6 +208,19 @@ def test_fused_pairs_compile(pair, arch):
     # sm_90 makes no wgmma of these tiles (the shift decode feeds mma_v2 operands only).
     if arch == 90:
         assert not re.search(r"\bHGMMA\b", rep.sass)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("pair", FUSED_PAIRS, ids=["+".join(p) for p in FUSED_PAIRS])
+def test_fused_pairs_compile_with_the_native_convert(pair):
+    # What an sm_120 GPU runs: both items decode by the e2m1 and e4m3 converts (no shift decode).
+    rep = _compile(*pair, decode=md.DECODE_CVT)
+    rep.require_ptx(r"cvt\.rn\.bf16x2\.e2m1x2").require_ptx(r"cvt\.rn\.bf16x2\.e4m3x2")
+    rep.require_sass(r"\bF2FP\.BF16\.E2M1\.UNPACK_B\b").require_sass(r"\bHMMA\.16816\.F32\.BF16\b")
+    rep.require_no_local().require_smem()
+    gt = SWEEP.GATE_UP[pair[0]]
+    if gt.max_regs is not None:
+        assert rep.registers <= gt.max_regs
 
 
 @pytest.mark.compile

@@ -43,6 +43,9 @@ Decode (``FAST_DECODE`` constexpr): an inline-PTX lop3/prmt table (fp4_decode's,
 scale multiply on the packed pairs (``mul.rn.{bf16,f16}x2``, sm_90+), so one code byte becomes one 32-bit register
 holding its two scaled 16-bit weights, the register an MMA operand pair is; without it, the pure-``tl`` decode of
 fp4_decode (interpreter, any GPU).  The block scales become packed pairs by the hardware e4m3 convert.
+Where the GPU converts e2m1 itself (sm_100+, sm_120: ``cvt.rn.{bf16,f16}x2.e2m1x2``, one instruction per code byte;
+:data:`DECODE_CVT`), that convert replaces the table and the shift decode on every tile: 4 instructions per code word
+before the scale multiply instead of the shift decode's 13 integer ones, in memory order (no relabelling).
 
 Shift decode (``shift_decode`` tiles, tensor cores only): the 3 magnitude bits of a code placed at the low end of
 a 16-bit float's exponent are its value times a power of two (fp4_decode's shift bodies: 13 integer instructions per
@@ -65,6 +68,7 @@ and on the GPU when asked with ``check_ids=True``).
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 
@@ -74,6 +78,14 @@ import triton.language as tl
 from .common import register_cap_option
 from .fp4_decode import SHIFT_BF16_BODY, SHIFT_EXP, SHIFT_F16_BODY, SHIFT_SCALE, dequant_rows_16bit
 from .moe_common import gated_activation_f32, local_expert
+
+# The kernels' ``FAST_DECODE`` constexpr: which e2m1 decode runs (the launchers pick it from the GPU; every kind gives
+# the same bits).  A bool still works: False is the pure-``tl`` decode, True the inline-PTX table / shift decode.
+DECODE_TL = 0  # pure ``tl`` arithmetic (the interpreter, GPUs before sm_90)
+DECODE_PTX = 1  # the lop3/prmt table, or the shift decode on ``shift_decode`` tiles (sm_90+)
+DECODE_CVT = 2  # the native ``cvt.rn.{bf16,f16}x2.e2m1x2`` (sm_100+ / sm_120 where the PTX ISA has it)
+_PTX = tl.constexpr(DECODE_PTX)
+_CVT = tl.constexpr(DECODE_CVT)
 
 # One program holds every route id of the call in a vector: T * top_k is bounded (decode sizes only).
 MAX_ROUTES = 1024
@@ -312,6 +324,22 @@ _SCALED_F16X2_PTX = tl.constexpr(
 _SCALED_PAIRS_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 17))
 
 
+# The native convert (sm_100+ / sm_120, PTX ISA >= 9.2): code byte i of the word in $4 → its two weights (the low
+# nibble in the low half, as the table) times its block scale pair $5+i (:func:`_scale_pairs` with ``CVT``).
+# Bytewise, as the table.  Per code word 4 converts and 4 pair multiplies, where the shift decode spends 13 integer
+# instructions and 4 multiplies.
+def _scaled_cvt_ptx(fmt: str) -> tl.constexpr:
+    return tl.constexpr("{ .reg .b8 b<4>; .reg .b32 d<4>; mov.b32 {b0, b1, b2, b3}, $4; "
+                        + "".join(f"cvt.rn.{fmt}x2.e2m1x2 d{i}, b{i}; " for i in range(4))
+                        + "".join(f"mul.rn.{fmt}x2 ${i}, d{i}, ${5 + i}; " for i in range(4)) + "}")
+
+
+SCALED_CVT_PTX = {"bf16": _scaled_cvt_ptx("bf16"), "f16": _scaled_cvt_ptx("f16")}
+_SCALED_CVT_BF16_PTX = SCALED_CVT_PTX["bf16"]
+_SCALED_CVT_F16_PTX = SCALED_CVT_PTX["f16"]
+_SCALED_CVT_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 5))
+
+
 # ptxas keeps a constant that is the same in every thread in a uniform register and copies it into a regular one
 # before every prmt that reads it (a prmt has one immediate operand and cannot read uniform registers): ~6
 # instructions per 4 code bytes, a sixth of the decode loop.  min(laneid | c, c) == c, but ptxas cannot prove the
@@ -354,6 +382,18 @@ def _scale_pairs_ptx(fmt: str, factor: float | None = None) -> tl.constexpr:
     )
 
 
+# sm_100+ / sm_120 (PTX ISA >= 9.2): e4m3x2 → bf16x2 / f16x2 in one convert (exact), two scales at a time; each pair
+# (s, s) is a copy of one half, which ptxas folds into the multiply that reads it (an .H0_H0 / .H1_H1 operand).
+def _scale_pairs_cvt_ptx(fmt: str) -> tl.constexpr:
+    return tl.constexpr("{ .reg .b16 s<2>, l<4>; .reg .b32 q<2>; mov.b32 {s0, s1}, $4; "
+                        f"cvt.rn.{fmt}x2.e4m3x2 q0, s0; cvt.rn.{fmt}x2.e4m3x2 q1, s1; "
+                        "mov.b32 {l0, l1}, q0; mov.b32 {l2, l3}, q1; "
+                        + "".join(f"mov.b32 ${i}, {{l{i}, l{i}}}; " for i in range(4)) + "}")
+
+
+SCALE_PAIRS_CVT_PTX = {"bf16": _scale_pairs_cvt_ptx("bf16"), "f16": _scale_pairs_cvt_ptx("f16")}
+_SCALE_PAIRS_CVT_BF16_PTX = SCALE_PAIRS_CVT_PTX["bf16"]
+_SCALE_PAIRS_CVT_F16_PTX = SCALE_PAIRS_CVT_PTX["f16"]
 _SCALE_PAIRS_F16_PTX = _scale_pairs_ptx("f16")
 _SCALE_PAIRS_BF16_PTX = _scale_pairs_ptx("bf16")
 _SHIFT_SCALE_PAIRS_F16_PTX = _scale_pairs_ptx("f16", SHIFT_SCALE["f16"])
@@ -361,10 +401,16 @@ _SHIFT_SCALE_PAIRS_BF16_PTX = _scale_pairs_ptx("bf16", SHIFT_SCALE["bf16"])
 
 
 @triton.jit
-def _scale_pairs(sf, DTYPE: tl.constexpr, SHIFT: tl.constexpr = False):
+def _scale_pairs(sf, DTYPE: tl.constexpr, SHIFT: tl.constexpr = False, CVT: tl.constexpr = False):
     """e4m3 scale bytes (uint8, any shape) → int32 of the same shape: ``(s, s)`` packed in ``DTYPE`` (bf16/fp16);
-    ``SHIFT``: times the shift decode's power of two."""
-    if DTYPE == tl.bfloat16:
+    ``SHIFT``: times the shift decode's power of two; ``CVT``: by the sm_100+ / sm_120 convert (no ``SHIFT``)."""
+    if CVT:
+        tl.static_assert(not SHIFT, "moe_decode: the shift decode has no native-convert variant")
+        if DTYPE == tl.bfloat16:
+            ptx: tl.constexpr = _SCALE_PAIRS_CVT_BF16_PTX
+        else:
+            ptx: tl.constexpr = _SCALE_PAIRS_CVT_F16_PTX
+    elif DTYPE == tl.bfloat16:
         ptx: tl.constexpr = _SHIFT_SCALE_PAIRS_BF16_PTX if SHIFT else _SCALE_PAIRS_BF16_PTX
     else:
         ptx: tl.constexpr = _SHIFT_SCALE_PAIRS_F16_PTX if SHIFT else _SCALE_PAIRS_F16_PTX
@@ -379,11 +425,22 @@ def _thread_constant(PTX: tl.constexpr, like):
 
 
 @triton.jit
-def _scaled_pairs(codes, sf, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+def _scaled_pairs(codes, sf, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
+                  CVT: tl.constexpr = False):
     """``[ROWS, BLOCK_K/2]`` code bytes, ``[ROWS, BLOCK_K/16]`` e4m3 bytes → int32 ``[ROWS, BLOCK_K/16, 8]``: per
-    code byte its two weights ``e2m1 * e4m3`` (exact) as a packed 16-bit pair, the even element in the low half."""
-    pair = _scale_pairs(sf, DTYPE)[:, :, None]
+    code byte its two weights ``e2m1 * e4m3`` (exact) as a packed 16-bit pair, the even element in the low half.
+    ``CVT``: by the native e2m1 convert (sm_100+ / sm_120), else by the lop3/prmt table."""
     c3 = codes.reshape(ROWS, BLOCK_K // 16, 8)
+    if CVT:
+        if DTYPE == tl.bfloat16:
+            ptx: tl.constexpr = _SCALED_CVT_BF16_PTX
+        else:
+            tl.static_assert(DTYPE == tl.float16, "moe_decode: activations must be bf16 or fp16")
+            ptx: tl.constexpr = _SCALED_CVT_F16_PTX
+        pair = _scale_pairs(sf, DTYPE, CVT=True)[:, :, None]
+        return tl.inline_asm_elementwise(ptx, _SCALED_CVT_CONSTRAINTS, [c3, pair], dtype=tl.int32, is_pure=True,
+                                         pack=4)
+    pair = _scale_pairs(sf, DTYPE)[:, :, None]
     sign = _thread_constant(_SIGN_TABLE, c3)
     if DTYPE == tl.bfloat16:
         low = _thread_constant(_BF16_LOW_TABLE, c3)
@@ -401,9 +458,9 @@ def _scaled_pairs(codes, sf, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: t
 @triton.jit
 def _dequant_tile(codes, sf, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
                   FAST_DECODE: tl.constexpr):
-    """Scaled weights ``[ROWS, BLOCK_K]`` in ``DTYPE`` (the MMA operand)."""
+    """Scaled weights ``[ROWS, BLOCK_K]`` in ``DTYPE`` (the MMA operand); ``FAST_DECODE`` as the kernels'."""
     if FAST_DECODE:
-        p = _scaled_pairs(codes, sf, ROWS, BLOCK_K, DTYPE)
+        p = _scaled_pairs(codes, sf, ROWS, BLOCK_K, DTYPE, FAST_DECODE == _CVT)
         lo = p.to(tl.int16).to(DTYPE, bitcast=True)  # truncation keeps the low half
         hi = (p >> 16).to(tl.int16).to(DTYPE, bitcast=True)
         w = tl.join(lo, hi).reshape(ROWS, BLOCK_K)
@@ -417,7 +474,7 @@ def _dequant_tile_f32(codes, sf, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DTYP
                       FAST_DECODE: tl.constexpr):
     """The same weights as fp32 ``[ROWS, BLOCK_K]`` (CUDA-core path); bf16 → fp32 is a shift of the pair."""
     if FAST_DECODE and DTYPE == tl.bfloat16:
-        p = _scaled_pairs(codes, sf, ROWS, BLOCK_K, DTYPE)
+        p = _scaled_pairs(codes, sf, ROWS, BLOCK_K, DTYPE, FAST_DECODE == _CVT)
         lo = (p << 16).to(tl.float32, bitcast=True)
         hi = (p & -65536).to(tl.float32, bitcast=True)
         w = tl.join(lo, hi).reshape(ROWS, BLOCK_K)
@@ -689,8 +746,8 @@ def _expert_rows_product_range(w_ptr, w_sf_ptr, w_desc, s_desc, w_rows, s_rows, 
                           BLOCK_K, USE_TMA, EVICT_FIRST, EVEN_K)
         a = _load_act(a_ptr, a_rows, a_ok, stride_a, k0, K, BLOCK_K, EVEN_K, A_CG)
         acc = _tile_product(w, s, a, acc, ROWS, BLOCK_K, a_ptr.dtype.element_ty, USE_DOT, FAST_DECODE,
-                            SHIFT and FAST_DECODE, K_WARPS)
-    return _acc_finish(acc, USE_DOT, SHIFT and FAST_DECODE, K_WARPS)
+                            SHIFT and FAST_DECODE == _PTX, K_WARPS)
+    return _acc_finish(acc, USE_DOT, SHIFT and FAST_DECODE == _PTX, K_WARPS)
 
 
 @triton.jit
@@ -880,10 +937,10 @@ def _moe_decode_down_token_kernel(
         a = _load_act(a_ptr, t * top_k + slot + cols * 0, cols == 0, stride_am, k0, K, BLOCK_K, EVEN_K)
         if USE_DOT:
             y += _tile_product(w, s, a, _acc_init(BLOCK_N, BLOCK_K, BLOCK_T, True, K_WARPS), BLOCK_N, BLOCK_K,
-                               a.dtype, True, FAST_DECODE, SHIFT_DECODE and FAST_DECODE, K_WARPS) * c
+                               a.dtype, True, FAST_DECODE, SHIFT_DECODE and FAST_DECODE == _PTX, K_WARPS) * c
         else:  # the slot's factor on the activations: one multiply per k instead of one per weight
             y = _tile_product(w, s, a.to(tl.float32) * c, y, BLOCK_N, BLOCK_K, a.dtype, False, FAST_DECODE, False)
-    y = _acc_finish(y, USE_DOT, SHIFT_DECODE and FAST_DECODE, K_WARPS)
+    y = _acc_finish(y, USE_DOT, SHIFT_DECODE and FAST_DECODE == _PTX, K_WARPS)
     out = tl.sum(tl.where((cols == 0)[None, :], y, 0.0), axis=1)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
@@ -1101,16 +1158,41 @@ def route_block(routes: int) -> int:
     return next(b for b in _ROUTE_BLOCKS if routes <= b)
 
 
-def _fast_decode(device) -> bool:
-    """The inline-PTX decode where it compiles (sm_90+: ``mul.bf16x2``), else the pure-``tl`` one (the interpreter,
-    older GPUs).  Not a tuning choice: both give the same bits.  The same condition gates grid dependency control
-    (``griddepcontrol``, sm_90+)."""
+def _sm90_plus(device) -> bool:
+    """A GPU of sm_90 or later, not the interpreter: where the inline PTX compiles (``mul.bf16x2``) and grid
+    dependency control (``griddepcontrol``) exists."""
     import torch
 
     return device.type == "cuda" and not _interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-_gdc_ok = _fast_decode
+_gdc_ok = _sm90_plus
+
+
+def decode_for(cc_major: int, ptx_isa: int) -> int:
+    """The decode a GPU of compute capability ``cc_major`` runs (sm_90 or later; ``ptx_isa`` as 92 for 9.2, the
+    version Triton emits for it): the native convert where both the GPU (sm_100+, incl. sm_120) and the PTX ISA have
+    it for bf16 *and* fp16 (9.2: one rule for both types), else the PTX table / shift decode.  Not a tuning choice:
+    every decode gives the same bits."""
+    return DECODE_CVT if cc_major >= 10 and ptx_isa >= 92 else DECODE_PTX
+
+
+def decode_kind(device) -> int:
+    """:data:`DECODE_TL` in the interpreter and before sm_90, else :func:`decode_for` this GPU and the ptxas Triton
+    would use for it (a user may point Triton at another one, whose PTX ISA decides)."""
+    import torch
+
+    if not _sm90_plus(device):
+        return DECODE_TL
+    major = torch.cuda.get_device_capability(device)[0]
+    return decode_for(major, _ptx_isa(major) if major >= 10 else 0)
+
+
+@functools.cache
+def _ptx_isa(cc_major: int) -> int:
+    from .gluon_compat import ptx_isa_version
+
+    return ptx_isa_version(cc_major * 10)
 
 
 def shift_ok(k: int) -> bool:
@@ -1372,7 +1454,7 @@ def prepare_moe_decode_gate_up(t: int, h: int, i: int, e: int, top_k: int, globa
     has_zero = zero_numel is not None
     zero_chunk = -(-zero_numel // programs) if has_zero else 0
     split = tile.split_k > 1
-    shift = tile.shift_decode and shift_ok(h)
+    shift = tile.shift_decode and shift_ok(h) and decode_kind(device) != DECODE_CVT  # (the cvt needs none)
     # A prefetch is a GPU instruction (the interpreter has none); it changes no result.
     prefetch = tile.prefetch_down and device.type == "cuda" and not _interpreting()
     pf_rows = prefetch_rows_per_program(h, grid[1] * grid[2])
@@ -1383,7 +1465,7 @@ def prepare_moe_decode_gate_up(t: int, h: int, i: int, e: int, top_k: int, globa
         stride_we=stride_w[0], stride_wn=stride_w[1], stride_wse=stride_sf[0], stride_wsn=stride_sf[1],
         stride_om=stride_o, stride_w2e=stride_w2[0], stride_w2n=stride_w2[1], stride_w2se=stride_sf2[0],
         stride_w2sn=stride_sf2[1], ACTIVATION=activation, HAS_MAP=has_map, BY_EXPERT=rows < s, ZERO=has_zero,
-        S_BLOCK=route_block(s), FAST_DECODE=_fast_decode(device), EVEN_K=h % tile.block_k == 0,
+        S_BLOCK=route_block(s), FAST_DECODE=decode_kind(device), EVEN_K=h % tile.block_k == 0,
         GDC=_gdc_ok(device), SPLIT_K=tile.split_k, **(tile.kernel_kwargs() | {"SHIFT_DECODE": shift}),
         PREFETCH_DOWN=prefetch, PF_ROWS=pf_rows, **tile.launch_kwargs(),
     ))
@@ -1420,12 +1502,12 @@ def prepare_moe_decode_down_token(t: int, h: int, i: int, e: int, top_k: int, gl
 
     tile.check_rows(tile.block_n, "down_token")  # a tile passed without the validating launchers
     gdc = _gdc_ok(device)
-    shift = tile.shift_decode and shift_ok(i)
+    shift = tile.shift_decode and shift_ok(i) and decode_kind(device) != DECODE_CVT  # (the cvt needs none)
     launches = _Launches(lambda shift, stride_a, stride_w, stride_sf, stride_o: ReadyKernel(
         _moe_decode_down_token_kernel, (t, triton.cdiv(h, tile.block_n)), S=t * top_k, H=h, K=i, E=e,
         GLOBAL_E=global_e, top_k=top_k, stride_am=stride_a, stride_we=stride_w[0], stride_wn=stride_w[1],
         stride_wse=stride_sf[0], stride_wsn=stride_sf[1], stride_om=stride_o, HAS_MAP=has_map,
-        TOPK_BLOCK=max(2, triton.next_power_of_2(top_k)), FAST_DECODE=_fast_decode(device),
+        TOPK_BLOCK=max(2, triton.next_power_of_2(top_k)), FAST_DECODE=decode_kind(device),
         EVEN_K=i % tile.block_k == 0, PDL=tile.pdl and gdc, **(tile.kernel_kwargs() | {"SHIFT_DECODE": shift}),
         **tile.launch_kwargs(gdc),
     ))
@@ -1454,13 +1536,13 @@ def prepare_moe_decode_down_expert(t: int, h: int, i: int, e: int, top_k: int, g
     s = t * top_k
     rows = min(s, e)
     gdc = _gdc_ok(device)
-    shift = tile.shift_decode and shift_ok(i)
+    shift = tile.shift_decode and shift_ok(i) and decode_kind(device) != DECODE_CVT  # (the cvt needs none)
     launches = _Launches(lambda shift, stride_a, stride_w, stride_sf, stride_o: ReadyKernel(
         _moe_decode_down_expert_kernel, (rows, triton.cdiv(h, tile.block_n), tile.split_k), S=s, H=h, K=i, E=e,
         GLOBAL_E=global_e, top_k=top_k, stride_am=stride_a, stride_we=stride_w[0], stride_wn=stride_w[1],
         stride_wse=stride_sf[0], stride_wsn=stride_sf[1], stride_om=stride_o, HAS_MAP=has_map, BY_EXPERT=rows < s,
         DETERMINISTIC=deterministic, S_BLOCK=route_block(s), TOPK_BLOCK=max(2, triton.next_power_of_2(top_k)),
-        FAST_DECODE=_fast_decode(device), EVEN_K=i % tile.block_k == 0, PDL=tile.pdl and gdc, SPLIT_K=tile.split_k,
+        FAST_DECODE=decode_kind(device), EVEN_K=i % tile.block_k == 0, PDL=tile.pdl and gdc, SPLIT_K=tile.split_k,
         **(tile.kernel_kwargs() | {"SHIFT_DECODE": shift}), **tile.launch_kwargs(gdc),
     ))
     block_h = min(_SUM_BLOCK_H, triton.next_power_of_2(h))

@@ -38,6 +38,8 @@ import triton.language as tl
 
 from .common import register_cap_option
 from .moe_decode import (
+    DECODE_CVT,
+    DECODE_PTX,
     DecodeTile,
     _BANK,
     _check_bank,
@@ -45,12 +47,12 @@ from .moe_decode import (
     _chunk_routes,
     _divisible,
     _expert_rows_product,
-    _fast_decode,
     _gate_up_columns,
     _Launches,
     _local_slots,
     _prefetch_rows,
     _program_expert,
+    decode_kind,
     route_block,
     shift_ok,
 )
@@ -198,13 +200,15 @@ MOE_DECODE_FUSED_DIVISIBLE = _divisible(MOE_DECODE_FUSED_SIGNATURE) + [
                 "stride_s2e", "stride_s2n") if k not in _divisible(MOE_DECODE_FUSED_SIGNATURE)]
 
 
-def compile_constexprs(gate_up_tile: DecodeTile, down_tile: DecodeTile, *, fast_decode: bool = True,
+def compile_constexprs(gate_up_tile: DecodeTile, down_tile: DecodeTile, *, fast_decode: int = DECODE_PTX,
                        activation: str = "silu", s_block: int = 64, by_expert: bool = False) -> dict:
-    """The kernel's constexprs for a tile pair (the compile harness; the launcher derives the same)."""
+    """The kernel's constexprs for a tile pair (the compile harness; the launcher derives the same).
+    ``fast_decode``: a :mod:`.moe_decode` decode kind (the shift decode off with the native convert)."""
+    shift = fast_decode != DECODE_CVT
     return dict(ACTIVATION=activation, HAS_MAP=False, BY_EXPERT=by_expert, S_BLOCK=s_block, TOPK_BLOCK=8,
                 FAST_DECODE=fast_decode, EVEN_H=True, EVEN_I=True,
-                **_tile_kwargs("GU", gate_up_tile, gate_up_tile.shift_decode),
-                **_tile_kwargs("DN", down_tile, down_tile.shift_decode))
+                **_tile_kwargs("GU", gate_up_tile, gate_up_tile.shift_decode and shift),
+                **_tile_kwargs("DN", down_tile, down_tile.shift_decode and shift))
 
 
 def fused_workspace(t: int, top_k: int, e: int, h: int, down_tile: DecodeTile, device):
@@ -271,9 +275,9 @@ def prepare_moe_decode_fused(t: int, h: int, i: int, e: int, top_k: int, global_
     s = t * top_k
     rows = min(s, e)
     grid = (rows * (triton.cdiv(i, gate_up_tile.block_n) + triton.cdiv(h, down_tile.block_n)),)
-    gu_shift = gate_up_tile.shift_decode and shift_ok(h)
-    dn_shift = down_tile.shift_decode and shift_ok(i)
-    fast = _fast_decode(device)
+    fast = decode_kind(device)
+    gu_shift = gate_up_tile.shift_decode and shift_ok(h) and fast != DECODE_CVT  # (the native cvt needs none)
+    dn_shift = down_tile.shift_decode and shift_ok(i) and fast != DECODE_CVT
     launch_kw = dict(num_warps=gate_up_tile.num_warps, num_stages=gate_up_tile.num_stages,
                      **register_cap_option("DecodeTile", gate_up_tile.max_regs))
     launches = _Launches(lambda gu, dn, stride_x, s13w, s13s, s2w, s2s, stride_o: ReadyKernel(
