@@ -186,6 +186,20 @@ def test_scaled_decode_asm_is_exact(kind, fmt):
                     f"want {want:#010x}")
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "f16"])
+def test_e4m3_scale_pairs_equal_the_fp32_path(fmt):
+    # DECODE_CVT's scale pairs (two scale bytes -> two (s, s) pairs by one e4m3 convert) are bit for bit the pairs
+    # of the fp32 path (SCALE_PAIR_ASM, which test_scaled_decode_asm_is_exact feeds to every decode), for every finite
+    # e4m3 byte in both positions.
+    finite = [b for b in range(256) if b & 0x7F != 0x7F]
+    for a, b in zip(finite, finite[1:] + finite[:1]):
+        out = run_ptx(gs.SCALE_PAIRS_E4M3_ASM[fmt], {"$2": b << 8 | a})
+        for reg, byte in (("$0", a), ("$1", b)):
+            sign, mag = e4m3(byte)
+            want = run_ptx(gs.SCALE_PAIR_ASM[fmt], {"$1": f32_bits(float(mag) * (-1 if sign else 1))})["$0"]
+            assert out[reg] == want, f"{fmt}: scale {byte:#04x}: {out[reg]:#010x}, want {want:#010x}"
+
+
 def test_shift_scale_is_exact_and_in_range():
     for fmt in ("bf16", "f16"):
         for byte in range(1, 0x7F):
@@ -511,9 +525,13 @@ def test_every_tile_compiles_for_sm120(tile):
     rep.require_sass(r"HMMA\.16816\.F32\.BF16").require_ptx(r"atom\.global\.gpu\.acq_rel\.add")
     loop = main_loop(rep.sass)
     words = words_per_iteration(tile)
-    # One 16-byte load per row and step, the codes decoded by one cvt per byte: 4 F2FP per word (+ the scales).
+    # One 16-byte load per row and step, the codes decoded by one cvt per byte: 4 F2FP per word; a lane's two scales
+    # of a row (4 words) by one e4m3 convert, and no fp16 -> fp32 scale chain (HADD2.F32) left.
     assert loop.count(r"LDG\.E\.128") == words // 4, loop.ops
-    assert 4 * words <= loop.count(r"F2FP\..*") <= 5 * words, loop.ops
+    assert loop.count(r"F2FP\.BF16\.E2M1\.UNPACK_B") == 4 * words, loop.ops
+    assert 4 * loop.count(r"F2FP\.BF16\.E4M3\.UNPACK_B") == words, loop.ops
+    assert loop.count(r"HADD2.*") == 0 and loop.count(r"F2FP\..*") == 4 * words + words // 4, loop.ops
+    rep.require_ptx(r"cvt\.rn\.bf16x2\.e4m3x2")
     _check_occupancy_data(rep, tile, 12)
     print(rep.summary(), f"main loop {loop.total / words:.1f} instructions per code word")
 

@@ -33,11 +33,11 @@ TILE_REGISTERS = {
         StreamTile(32, 8, max_regs=128): 117, StreamTile(16, 8, max_regs=96): 92,
         StreamTile(32, 8, 4, 2, max_regs=96): 91, StreamTile(64, 8, 4, 4, max_regs=96): 85,
         StreamTile(32, 16, max_regs=168): 163},
-    12: {StreamTile(64, 8): 145, StreamTile(32, 8): 141, StreamTile(128, 8, 4, 2): 145,
-         StreamTile(64, 16): 193, StreamTile(128, 16, 4, 2): 197, StreamTile(32, 16): 156,
-         StreamTile(32, 8, max_regs=128): 113, StreamTile(16, 8, max_regs=96): 92,
-         StreamTile(32, 8, 4, 2, max_regs=96): 91, StreamTile(64, 8, 4, 4, max_regs=96): 82,
-         StreamTile(32, 16, max_regs=168): 158},
+    12: {StreamTile(64, 8): 152, StreamTile(32, 8): 138, StreamTile(128, 8, 4, 2): 152,
+         StreamTile(64, 16): 191, StreamTile(128, 16, 4, 2): 192, StreamTile(32, 16): 153,
+         StreamTile(32, 8, max_regs=128): 111, StreamTile(16, 8, max_regs=96): 91,
+         StreamTile(32, 8, 4, 2, max_regs=96): 93, StreamTile(64, 8, 4, 4, max_regs=96): 83,
+         StreamTile(32, 16, max_regs=168): 154},
 }
 
 

@@ -35,7 +35,8 @@ word's block scale (one ``fma.rn.{bf16,f16}x2`` per pair; exact, e2m1 x e4m3 has
     integer multiply (which copies the nibble to the magnitude and the sign positions at once) and one mask per
     pair instead of the lop3/prmt table.  The pair is (element j, element j + 4) of the word, and the power of two
     (2^-126 for bf16, 2^-14 for fp16) is taken out by the scale (2^119 / 2^7) and the epilogue (2^7).
-    DECODE_CVT (sm_100a/sm_120a): the native ``cvt.rn.{bf16,f16}x2.e2m1x2``, pairs = the two nibbles of a byte.
+    DECODE_CVT (sm_100a/sm_120a): the native ``cvt.rn.{bf16,f16}x2.e2m1x2``, pairs = the two nibbles of a byte;
+    the scale pairs from ``cvt.rn.{bf16,f16}x2.e4m3x2``, two scale bytes per convert (:data:`SCALE_PAIRS_E4M3_ASM`).
     DECODE_PORTABLE: the exact lop3/prmt table of :mod:`.gluon_gemv`, pairs = the nibbles of a byte.
 
 k permutation (as in gemv_mma): the MMA's k index is a relabelling of memory k within each 128-k block chosen so
@@ -98,6 +99,14 @@ SCALED_E2M1_ASM = {
 SCALED_E2M1_CONSTRAINTS = "=r,=r,=r,=r,r,r"
 # The scale pair: one fp32 scale -> (s, s) as two 16-bit floats in one register (exact: e4m3 fits both).
 SCALE_PAIR_ASM = {"bf16": "cvt.rn.bf16x2.f32 $0, $1, $1;", "f16": "cvt.rn.f16x2.f32 $0, $1, $1;"}
+# With DECODE_CVT (sm_100+ / sm_120, PTX ISA >= 9.2): a lane's two scale bytes of a row (packed in $2) -> their two
+# pairs by one e4m3 convert instead of the e4m3 -> fp32 -> pair chain per scale; each pair is a copy of one half of
+# the converted register, which ptxas folds into the multiply that reads it (an .H0_H0 / .H1_H1 operand).
+SCALE_PAIRS_E4M3_ASM = {
+    fmt: ("{ .reg .b16 s<2>, l<2>; .reg .b32 q; mov.b32 {s0, s1}, $2; "
+          f"cvt.rn.{fmt}x2.e4m3x2 q, s0; mov.b32 {{l0, l1}}, q; mov.b32 $0, {{l0, l0}}; mov.b32 $1, {{l1, l1}}; }}")
+    for fmt in ("bf16", "f16")
+}
 
 if HAS_GLUON:
     _C = gl.constexpr(SCALED_E2M1_CONSTRAINTS)
@@ -109,6 +118,8 @@ if HAS_GLUON:
     _ASM_CVT_F16 = gl.constexpr(SCALED_E2M1_ASM[("cvt", "f16")])
     _ASM_PAIR_BF16 = gl.constexpr(SCALE_PAIR_ASM["bf16"])
     _ASM_PAIR_F16 = gl.constexpr(SCALE_PAIR_ASM["f16"])
+    _ASM_E4M3_PAIRS_BF16 = gl.constexpr(SCALE_PAIRS_E4M3_ASM["bf16"])
+    _ASM_E4M3_PAIRS_F16 = gl.constexpr(SCALE_PAIRS_E4M3_ASM["f16"])
     _SCALE_SHIFT_BF16 = gl.constexpr(SHIFT_SCALE["bf16"])
     _SCALE_SHIFT_F16 = gl.constexpr(SHIFT_SCALE["f16"])
     _EPILOGUE_SHIFT = gl.constexpr(2.0 ** SHIFT_EXP)
@@ -318,16 +329,22 @@ if HAS_GLUON:
         F16: gl.constexpr = DT == gl.float16
         # Codes [W, BMW, 16 words] seen as [W, BMW, 8 scale groups, 2 words] to pair each word with its scale.
         w4 = gl.convert_layout(words.reshape([WARPS, BMW, 8, 2]), W4, assert_trivial=True)
-        s = sc.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-        if DECODE == 2:
+        if DECODE == 0:  # DECODE_CVT: the scale bytes converted two at a time
             if F16:
-                s = s * _SCALE_SHIFT_F16
+                sp = gl.inline_asm_elementwise(_ASM_E4M3_PAIRS_F16, "=r,=r,r", [sc], gl.int32, True, 2)
             else:
-                s = s * _SCALE_SHIFT_BF16
-        if F16:
-            sp = gl.inline_asm_elementwise(_ASM_PAIR_F16, "=r,r", [s], gl.int32, True, 1)
+                sp = gl.inline_asm_elementwise(_ASM_E4M3_PAIRS_BF16, "=r,=r,r", [sc], gl.int32, True, 2)
         else:
-            sp = gl.inline_asm_elementwise(_ASM_PAIR_BF16, "=r,r", [s], gl.int32, True, 1)
+            s = sc.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+            if DECODE == 2:
+                if F16:
+                    s = s * _SCALE_SHIFT_F16
+                else:
+                    s = s * _SCALE_SHIFT_BF16
+            if F16:
+                sp = gl.inline_asm_elementwise(_ASM_PAIR_F16, "=r,r", [s], gl.int32, True, 1)
+            else:
+                sp = gl.inline_asm_elementwise(_ASM_PAIR_BF16, "=r,r", [s], gl.int32, True, 1)
         sp, w4 = gl.broadcast(sp[:, :, :, None], w4)
         o0, o1, o2, o3 = _scaled_pairs(w4, sp, DECODE, F16)
         # [W, BMW, group, word, half, j bit 0, j bit 1] -> (group, word, j, half): the pairs in operand order
