@@ -167,6 +167,15 @@ DOWN = {  # name: (kernel, deterministic, tile)
                                                                   shift_decode=True)),
     "tok-n32k256-kw4-st2-shift": ("token", False, DecodeTile(32, 256, 16, num_warps=4, num_stages=2, use_dot=True,
                                                              k_warps=4, shift_decode=True)),
+    # T = 1: one program per 16 rows takes all the token's slots (H / 16 programs: 128-448 on the four shapes, about
+    # one per SM), so no fp32 atomics, no arrival count and no last-arriver pass after the K loop; with "-pdl" the
+    # whole grid can start beside the gate_up kernel's programs and prefetch all its rows before the wait.  Device
+    # run 60 (H100): 1.05-1.6x slower than the table's expert-major downs at T = 1-2 on three shapes, with or without
+    # "-pdl" (one program streams 8 experts' rows with a few KB in flight); kept for an sm_120 run.
+    "tok-n16k256-kw4-st3-shift": ("token", False, DecodeTile(16, 256, 16, num_warps=4, num_stages=3, use_dot=True,
+                                                             k_warps=4, shift_decode=True)),
+    "tok-n16k256-kw4-st6-shift": ("token", False, DecodeTile(16, 256, 16, num_warps=4, num_stages=6, use_dot=True,
+                                                             k_warps=4, shift_decode=True)),
     # The table's TMA down tiles by pointer loads: TMA descriptors are made and encoded on the host per call.
     "exp-n64k256-w2-st2-shift": ("expert", False, DecodeTile(64, 256, 16, num_warps=2, num_stages=2, use_dot=True,
                                                              shift_decode=True)),
@@ -175,7 +184,8 @@ DOWN = {  # name: (kernel, deterministic, tile)
 # program's weight rows while the gate_up kernel finishes).  Only a layer shows what they gain (--pairs): timed
 # alone, a down kernel has no gate_up kernel to overlap.
 for _name in ("exp-n32k256-w2-tma-st2", "exp-n32k256-w2-st2", "exp-n64k256-w2-tma-st2-shift",
-              "exp-n64k256-w2-st2-shift", "tok-n32k128-w1-st3-shift"):
+              "exp-n64k256-w2-st2-shift", "tok-n32k128-w1-st3-shift", "tok-n16k256-kw4-st3-shift",
+              "tok-n16k256-kw4-st6-shift", "tok-n32k256-kw4-st2-shift"):
     _kind, _det, _tile = DOWN[_name]
     DOWN[_name + "-pdl"] = (_kind, _det, replace(_tile, pdl=True))
 # The table's expert-major down tiles with K split over programs ("-s<n>"; atomic mode, each split adds into the
