@@ -170,7 +170,7 @@ DOWN = {  # name: (kernel, deterministic, tile)
     # T = 1: one program per 16 rows takes all the token's slots (H / 16 programs: 128-448 on the four shapes, about
     # one per SM), so no fp32 atomics, no arrival count and no last-arriver pass after the K loop; with "-pdl" the
     # whole grid can start beside the gate_up kernel's programs and prefetch all its rows before the wait.  Device
-    # run 60 (H100): 1.05-1.6x slower than the table's expert-major downs at T = 1-2 on three shapes, with or without
+    # run 60 (H100): 1.05-1.97x slower than the table's expert-major downs at T = 1-2 on three shapes, with or without
     # "-pdl" (one program streams 8 experts' rows with a few KB in flight); kept for an sm_120 run.
     "tok-n16k256-kw4-st3-shift": ("token", False, DecodeTile(16, 256, 16, num_warps=4, num_stages=3, use_dot=True,
                                                              k_warps=4, shift_decode=True)),
