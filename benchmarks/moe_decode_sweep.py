@@ -180,9 +180,11 @@ DOWN = {  # name: (kernel, deterministic, tile)
     "exp-n64k256-w2-st2-shift": ("expert", False, DecodeTile(64, 256, 16, num_warps=2, num_stages=2, use_dot=True,
                                                              shift_decode=True)),
 }
-# The table's down tiles as programmatic dependents of the gate_up kernel ("-pdl": routing and an L2 prefetch of the
-# program's weight rows while the gate_up kernel finishes).  Only a layer shows what they gain (--pairs): timed
-# alone, a down kernel has no gate_up kernel to overlap.
+# The table's down tiles and the token-major T = 1 ones as programmatic dependents of the gate_up kernel ("-pdl":
+# routing and an L2 prefetch of the program's weight rows while the gate_up kernel finishes).  Only a layer shows
+# what they gain (--pairs): timed alone, a down kernel has no gate_up kernel to overlap.  Device run 59 (H100,
+# moe_decode_overlap.py): the edge survives graph capture and the down kernel starts ~1.2 us after the gate_up
+# kernel, but the layer moves only 0.92-1.12x (it hides the down's first 2-3 us; docs/benchmarks.md).
 for _name in ("exp-n32k256-w2-tma-st2", "exp-n32k256-w2-st2", "exp-n64k256-w2-tma-st2-shift",
               "exp-n64k256-w2-st2-shift", "tok-n32k128-w1-st3-shift", "tok-n16k256-kw4-st3-shift",
               "tok-n16k256-kw4-st6-shift", "tok-n32k256-kw4-st2-shift"):
