@@ -76,7 +76,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("act_quant_ceiling.py: needs a CUDA GPU")
-    from vllm_nvfp4_sm120.bench import _copies, dram_read_tbs, time_graph
+    from vllm_nvfp4_sm120.bench import _copies, act_quant_bytes, dram_read_tbs, time_graph
     from vllm_nvfp4_sm120.dispatch.linear import act_quant_config
     from vllm_nvfp4_sm120.kernels.act_quant import quantize_act_nvfp4
 
@@ -95,7 +95,7 @@ def main(argv=None):
             got = traffic_twin(xs[0], codes, sf, **tile)
             if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
                 raise AssertionError(f"traffic twin differs from torch at T={t} K={k}")
-            moved = 2 * t * k + t * k // 2 + t * k // 16
+            moved = act_quant_bytes(t, k)
             quant = time_graph(lambda: [quantize_act_nvfp4(x, in_enc, **tile) for x in xs]) / len(xs)
             twin = time_graph(lambda: [traffic_twin(x, codes, sf, **tile) for x in xs]) / len(xs)
             row = {"K": k, "T": t, "tile": tile, "bytes": moved, "quant_us": quant * 1e6, "twin_us": twin * 1e6,

@@ -44,7 +44,7 @@ def kernel_spans(trace: dict) -> list[tuple[str, float, float]]:
     return sorted(spans, key=lambda s: s[1])
 
 
-def layer_overlaps(spans, gate_key: str = "gate_up", down_key: str = "down") -> list[dict]:
+def layer_overlaps(spans, gate_key: str = "moe_decode_gate_up", down_key: str = "moe_decode_down") -> list[dict]:
     """For each gate_up kernel, its layer's down kernel (the first that starts after it, before the next gate_up
     kernel starts; none: the layer is skipped): both durations and ``gate_up end - down start`` (positive: overlap)."""
     out = []
@@ -103,7 +103,7 @@ def measure(shape: str, t: int, gname: str, dname: str, copies: int, repeats: in
         prof.export_chrome_trace(path)
         with open(path) as f:
             spans = kernel_spans(json.load(f))
-    pairs = layer_overlaps(spans, "moe_decode_gate_up", "moe_decode_down")
+    pairs = layer_overlaps(spans)
     row["profiled_layers"] = len(pairs)
     for key in ("gate_up_us", "down_us", "overlap_us", "span_us"):
         vals = [p[key] for p in pairs]

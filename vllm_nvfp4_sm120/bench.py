@@ -206,6 +206,11 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
     return rows
 
 
+def act_quant_bytes(t: int, k: int) -> int:
+    """Bytes the activation quantizer moves for bf16 ``[t, k]``: the input read, the codes and the scales written."""
+    return 2 * t * k + t * k // 2 + t * k // 16
+
+
 def bench_act_quant(ks: list[int], tokens: list[int], dram_read_tbs: float | None = None) -> list[Row]:
     """bf16 ``[T, K]`` → NVFP4 codes + linear scales on the dispatch's tile; the note gives the bytes moved (in + out)
     per second and, with ``dram_read_tbs`` (the same run's read ceiling), their fraction of it (the goal: 0.85)."""
@@ -219,7 +224,7 @@ def bench_act_quant(ks: list[int], tokens: list[int], dram_read_tbs: float | Non
             xs = [torch.randn(t, k, device="cuda").to(torch.bfloat16) for _ in range(_copies(2 * t * k, 1 << 30))]
             tile = act_quant_config(t, k)
             sec = time_graph(lambda: [quantize_act_nvfp4(x, in_enc, **tile) for x in xs]) / len(xs)
-            moved = 2 * t * k + t * k // 2 + t * k // 16
+            moved = act_quant_bytes(t, k)
             note = f"{moved / sec / 1e12:.2f} TB/s read+write"
             if dram_read_tbs:
                 note += f", {moved / sec / 1e12 / dram_read_tbs:.2f} of read BW"
@@ -247,7 +252,7 @@ def sweep_act_quant(ks: list[int], tokens: list[int], dram_read_tbs: float) -> l
     for k in ks:
         for t in tokens:
             xs = [torch.randn(t, k, device="cuda").to(torch.bfloat16) for _ in range(_copies(2 * t * k, 1 << 30))]
-            moved = 2 * t * k + t * k // 2 + t * k // 16
+            moved = act_quant_bytes(t, k)
             first = None
             for bt, bk, nw in ACT_QUANT_SWEEP_TILES:
                 tile = dict(block_t=bt, block_k=bk, num_warps=nw)
