@@ -43,6 +43,7 @@ from vllm_nvfp4_sm120.kernels.moe_decode import (  # noqa: E402
     moe_decode_gate_up,
     tma_ok,
 )
+from vllm_nvfp4_sm120.kernels.gluon_moe_decode import MoeStreamTile, moe_stream_gate_up  # noqa: E402
 from vllm_nvfp4_sm120.kernels.moe_decode_fused import check_fused_tiles, fused_workspace, moe_decode_fused  # noqa: E402
 from vllm_nvfp4_sm120.bench import xor_words  # noqa: E402
 
@@ -111,6 +112,16 @@ GATE_UP = {
     "gu-n16k512-kw8-st2-shift": DecodeTile(16, 512, 16, num_warps=8, num_stages=2, use_dot=True, k_warps=8,
                                            shift_decode=True),
 }
+# The streaming Gluon gate_up (kernels/gluon_moe_decode.py: the linear streaming kernel's decode step over a stream-K
+# list of the touched experts' row tiles; T <= block_t only).  Registers decide the CTAs per SM (sm_90 compiles with
+# an expert map: 32 x 8 160 registers, 3 CTAs; 16 x 8 122, 4; 32 x 16 176, 2).  Caps for one CTA more, 64 rows
+# and 8-warp tiles at <= 128 registers spill on sm_90 or sm_120 (compile check), so none of them is a candidate.
+STREAM_GATE_UP = {
+    "gus-m32t8": MoeStreamTile(32, 8, ctas_per_sm=3),
+    "gus-m16t8": MoeStreamTile(16, 8, ctas_per_sm=4),
+    "gus-m32t16": MoeStreamTile(32, 16, ctas_per_sm=2),
+}
+ANY_GATE_UP = GATE_UP | STREAM_GATE_UP
 DOWN = {  # name: (kernel, deterministic, tile)
     "tok-n16k256-w1": ("token", False, DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True)),
     "tok-n16k256-w1-pdl": ("token", False, DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True,
@@ -263,9 +274,19 @@ CHECK_GATE_UP = "gu-n16k256-w2-tma"
 CHECK_DOWN = "tok-n16k256-w1"
 
 
-def candidate_ok(tile: DecodeTile, k: int) -> bool:
-    """Whether a candidate can run on a bank with reduction size ``k`` (TMA needs K % 256 == 0)."""
+def candidate_ok(tile, k: int, t: int | None = None) -> bool:
+    """Whether a candidate can run on a bank with reduction size ``k`` (TMA needs K % 256 == 0) and, given ``t``, a
+    call of ``t`` tokens (the streaming gate_up takes at most ``block_t``)."""
+    if isinstance(tile, MoeStreamTile):
+        return t is None or t <= tile.block_t
     return not tile.use_tma or tma_ok(k)
+
+
+def gate_up(x, bank13, ids, tile, down_bank=None, zero=None):
+    """The gate_up candidate ``tile``: the Triton launcher or the streaming Gluon one."""
+    if isinstance(tile, MoeStreamTile):
+        return moe_stream_gate_up(x, *bank13, ids, tile=tile, zero=zero)
+    return moe_decode_gate_up(x, *bank13, ids, tile=tile, down_bank=down_bank, zero=zero)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -403,14 +424,16 @@ def sweep(args) -> dict:
     gate_names = args.gate_up.split(",") if args.gate_up else list(DEFAULT_GATE_UP)
     down_names = args.down.split(",") if args.down else list(DEFAULT_DOWN)
     if args.gate_up == "all":
-        gate_names = list(GATE_UP)
+        gate_names = list(ANY_GATE_UP)
     if args.down == "all":
         down_names = list(DOWN)
     pairs = [tuple(pair.split("+")) for pair in args.pairs.split(",")] if args.pairs else []
     for pair in pairs:
-        if len(pair) != 2 or pair[0] not in GATE_UP or pair[1] not in DOWN:
+        if len(pair) != 2 or pair[0] not in ANY_GATE_UP or pair[1] not in DOWN:
             raise SystemExit(f"--pairs: expected GATE_UP+DOWN names, got {'+'.join(pair)!r}")
         if DOWN[pair[1]][0] == "fused":
+            if pair[0] in STREAM_GATE_UP:
+                raise SystemExit(f"--pairs {'+'.join(pair)}: the fused kernel has no streaming gate_up")
             try:
                 check_fused_tiles(GATE_UP[pair[0]], DOWN[pair[1]][2])
             except ValueError as exc:
@@ -433,9 +456,9 @@ def sweep(args) -> dict:
         print(f"# {shape}: H={h} I={i} E={e} top_k={k}, {copies} calls on "
               f"{'one bank (warm)' if args.warm else f'{copies} bank copies'} "
               f"({len({id(b) for b in banks}) * e * expert_bytes / 1e9:.1f} GB)", flush=True)
-        gates = {n: GATE_UP[n] for n in gate_names if candidate_ok(GATE_UP[n], h)}
+        gates = {n: ANY_GATE_UP[n] for n in gate_names if candidate_ok(ANY_GATE_UP[n], h)}
         downs = {n: DOWN[n] for n in down_names if candidate_ok(DOWN[n][2], i)}
-        layers = [p for p in pairs if candidate_ok(GATE_UP[p[0]], h) and candidate_ok(DOWN[p[1]][2], i)]
+        layers = [p for p in pairs if candidate_ok(ANY_GATE_UP[p[0]], h) and candidate_ok(DOWN[p[1]][2], i)]
         for t in [int(v) for v in args.tokens.split(",")]:
             rows.append(_point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_ref, NvFp4,
                                nvfp4_moe, layers, args.read_ceiling))
@@ -476,7 +499,7 @@ def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_re
                 controls[dname] = fused_workspace(t, k, e, h, dtile, device)
             return moe_decode_fused(x, c13, s13, d13, c2, s2, d2, tw, ti, gate_up_tile=GATE_UP[gname],
                                     down_tile=dtile, control=controls[dname], out=out)
-        return moe_decode(x, c13, s13, d13, c2, s2, d2, tw, ti, gate_up_tile=GATE_UP[gname], down_tile=dtile,
+        return moe_decode(x, c13, s13, d13, c2, s2, d2, tw, ti, gate_up_tile=ANY_GATE_UP[gname], down_tile=dtile,
                           down=kind, deterministic=det, out=out)
 
     def check(name, gname, dname) -> bool:
@@ -491,18 +514,22 @@ def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_re
         _read_ceiling(row, banks, routes, clock)
     out = torch.empty_like(x)
     for gname, dname in pairs:  # whole layers: what a programmatic dependent down kernel gains shows only here
+        if not candidate_ok(ANY_GATE_UP[gname], h, t):
+            continue
         name = f"{gname}+{dname}"
         if check(name, gname, dname):
             row["pairs_us"][name] = clock.seconds(
                 lambda: [layer(gname, dname, c, out) for c in range(copies)]) / copies * 1e6
-    check_g = CHECK_GATE_UP if CHECK_GATE_UP in gates else next(iter(gates), CHECK_GATE_UP)
+    check_g = CHECK_GATE_UP if CHECK_GATE_UP in gates else next(
+        (n for n, g in gates.items() if isinstance(g, DecodeTile)), CHECK_GATE_UP)
     check_d = CHECK_DOWN if CHECK_DOWN in downs else next(iter(downs), CHECK_DOWN)
     for gname, tile in gates.items():  # gate_up alone
+        if not candidate_ok(tile, h, t):
+            continue
         if check(gname, gname, check_d):
             def gate_calls(tile=tile):
                 for c in range(copies):
-                    (c13, s13, d13), down_bank = banks[c]
-                    moe_decode_gate_up(x, c13, s13, d13, routes[c][1], tile=tile, down_bank=down_bank)
+                    gate_up(x, banks[c][0], routes[c][1], tile, down_bank=banks[c][1])
 
             row["gate_up_us"][gname] = clock.seconds(gate_calls) / copies * 1e6
     inters = ([moe_decode_gate_up(x, *banks[c][0], routes[c][1], tile=GATE_UP[check_g], down_bank=banks[c][1])
@@ -594,7 +621,7 @@ def main(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for moe_decode.json")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    p.add_argument("--gate-up", default="", help=f"'all' or names of {list(GATE_UP)} (default {DEFAULT_GATE_UP})")
+    p.add_argument("--gate-up", default="", help=f"'all' or names of {list(ANY_GATE_UP)} (default {DEFAULT_GATE_UP})")
     p.add_argument("--down", default="", help=f"'all' or names of {list(DOWN)} (default {DEFAULT_DOWN})")
     p.add_argument("--pairs", default="", help="GATE_UP+DOWN names, comma-separated: each timed as a whole layer "
                                                "(alone unless --gate-up / --down are given too)")
@@ -611,7 +638,7 @@ def main(argv=None):
     p.add_argument("--device", default="cuda", help="cuda; cpu runs the interpreter (a smoke test, no timing)")
     args = p.parse_args(argv)
     if args.list:
-        for n, tile in GATE_UP.items():
+        for n, tile in ANY_GATE_UP.items():
             print("gate_up", n, tile)
         for n, (kind, det, tile) in DOWN.items():
             print("down", n, kind, "deterministic" if det else "", tile)

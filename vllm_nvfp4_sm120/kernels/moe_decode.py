@@ -1395,10 +1395,13 @@ def moe_decode_down_expert(
 
 def moe_decode(
     x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, *,
-    gate_up_tile: DecodeTile, down_tile: DecodeTile, down: str = "token", expert_map=None, activation: str = "silu",
+    gate_up_tile, down_tile: DecodeTile, down: str = "token", expert_map=None, activation: str = "silu",
     deterministic: bool = False, out=None, check_ids: bool = False,
 ):
     """The whole decode MoE layer as the flow runs it: gate_up launcher → down launcher.
+
+    ``gate_up_tile``: a :class:`DecodeTile` (the Triton gate_up) or a ``gluon_moe_decode.MoeStreamTile`` (the
+    streaming Gluon gate_up, ``T <= block_t``).
 
     ``down``: ``"token"`` (token-major, bit-identical run to run whatever ``deterministic`` says) or ``"expert"``
     (expert-major: fp32 atomics into a ``[T, H]`` buffer the gate_up kernel zeroes, or with ``deterministic``
@@ -1414,9 +1417,16 @@ def moe_decode(
     if down == "expert":
         ws = down_expert_workspace(x.shape[0], topk_ids.shape[1], w2_codes.shape[1], down_tile, deterministic,
                                    x.device)
-    inter = moe_decode_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, tile=gate_up_tile, expert_map=expert_map,
-                               activation=activation, zero=ws if (ws is not None and not deterministic) else None,
-                               check_ids=check_ids, down_bank=(w2_codes, w2_scales, w2_dec))
+    zero = ws if (ws is not None and not deterministic) else None
+    if isinstance(gate_up_tile, DecodeTile):
+        inter = moe_decode_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, tile=gate_up_tile,
+                                   expert_map=expert_map, activation=activation, zero=zero, check_ids=check_ids,
+                                   down_bank=(w2_codes, w2_scales, w2_dec))
+    else:  # the streaming Gluon gate_up (a MoeStreamTile)
+        from .gluon_moe_decode import moe_stream_gate_up
+
+        inter = moe_stream_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, tile=gate_up_tile,
+                                   expert_map=expert_map, activation=activation, zero=zero, check_ids=check_ids)
     if down == "token":
         return moe_decode_down_token(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, tile=down_tile,
                                      expert_map=expert_map, out=out)

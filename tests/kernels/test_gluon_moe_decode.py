@@ -1,0 +1,374 @@
+"""Streaming MoE decode gate_up (kernels/gluon_moe_decode.py).
+
+Gluon does not run in the interpreter.  On CPU: the tile and grid rules, the launcher's argument checks, and a torch
+model of the kernel's work list (the distinct experts in first-slot order, each expert's routes as MMA columns, the
+stream-K ranges, the partial slots and the last-arriver sum) against ``format.moe_ref``'s intermediate; the decode
+step itself is the streaming linear kernel's, proven in test_gemv_stream.py.  ``compile``: every sweep tile for
+sm_120 (native cvt) and sm_90 (shift decode).  ``gpu``: the layer with the streaming gate_up against ``moe_ref`` on
+odd and real shapes, both activations, maps, fp16, the zeroed down workspace, bit-identical reruns and graph replay.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from moe_gpu_common import assert_moe_close
+
+from vllm_nvfp4_sm120.format import GlobalScale, NvFp4, dequantize_nvfp4, moe_ref, random_nvfp4
+from vllm_nvfp4_sm120.kernels import gluon_moe_decode as gm
+from vllm_nvfp4_sm120.kernels.aot import compile_kernel
+from vllm_nvfp4_sm120.kernels.moe_decode import DecodeTile, moe_decode, moe_decode_gate_up
+from vllm_nvfp4_sm120.kernels.sass_stats import main_loop
+
+
+def _load_sweep():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_decode_sweep.py"
+    spec = importlib.util.spec_from_file_location("moe_decode_sweep_gluon", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SWEEP = _load_sweep()
+TILES = dict(SWEEP.STREAM_GATE_UP)
+DOWN_TILE = DecodeTile(16, 128, 16, num_warps=1, num_stages=3, use_dot=True)
+
+
+def _problem(t, e, k, h, i, *, dtype=torch.bfloat16, with_map=False, device="cpu", seed=0, ids_dtype=torch.int32):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = random_nvfp4((e, 2 * i, h), gen=gen)
+    w2 = random_nvfp4((e, h, i), gen=gen)
+    d13 = 0.01 + 0.01 * torch.rand(e, generator=gen)
+    d2 = 0.01 + 0.01 * torch.rand(e, generator=gen)
+    x = (torch.randn(t, h, generator=gen) * 2).to(dtype)
+    global_e = 2 * e if with_map else e
+    tw, ti = torch.softmax(torch.randn(t, global_e, generator=gen), -1).topk(k, dim=-1)
+    tw = (tw / tw.sum(-1, keepdim=True)).contiguous()
+    ti = ti.to(ids_dtype).contiguous()
+    emap = None
+    if with_map:
+        emap = torch.full((global_e,), -1, dtype=torch.int32)
+        emap[1::2] = torch.arange(e, dtype=torch.int32)
+    mv = lambda v: v.to(device) if v is not None else None  # noqa: E731
+    return (mv(x), NvFp4(mv(w13.codes), mv(w13.scales)), mv(d13), NvFp4(mv(w2.codes), mv(w2.scales)), mv(d2),
+            mv(tw), mv(ti), mv(emap))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CPU: tiles, grid, checks
+# ------------------------------------------------------------------------------------------------------------
+def test_tile_rules():
+    assert gm.MoeStreamTile(32, 8).columns == 16
+    for bad in (dict(block_m=48, block_t=8), dict(block_m=32, block_t=12), dict(block_m=32, block_t=8, num_warps=3),
+                dict(block_m=32, block_t=8, ctas_per_sm=0), dict(block_m=32, block_t=8, row_warps=2, num_warps=2,
+                                                                  max_regs=8)):
+        with pytest.raises(ValueError, match="MoeStreamTile"):
+            gm.MoeStreamTile(**bad)
+    assert gm.MoeStreamTile(32, 8, max_regs=128).launch_options == {"num_warps": 4, "maxnreg": 128}
+
+
+def test_grid_sizes_the_largest_list():
+    tile = gm.MoeStreamTile(32, 8)
+    g = gm.moe_stream_grid(routes=8, experts=128, i=768, h=2048, tile=tile, ctas=264)
+    assert (g.tiles_e, g.blocks_per_row, g.max_experts, g.ctas) == (48, 16, 8, 264)
+    assert g.counters_numel == 8 * 48
+    # a CTA's range of ceil(8 * 48 * 16 / 264) = 24 blocks touches at most 3 row tiles of 16 blocks
+    assert g.slots_per_cta == 3 and g.partials_numel(tile) == 264 * 3 * 32 * 8
+    assert gm.moe_stream_grid(200, 8, 96, 80, tile, 4).max_experts == 8  # more routes than experts
+    with pytest.raises(ValueError, match="32-bit"):
+        gm.moe_stream_grid(1024, 256, 2048, 7168, tile, 10**6)
+
+
+def test_launcher_checks():
+    x, w13, d13, *_, ti, _ = _problem(3, 8, 2, 80, 96)
+    tile = gm.MoeStreamTile(32, 8)
+    run = lambda **kw: gm.moe_stream_gate_up(**({"x": x, "w13_codes": w13.codes, "w13_scales": w13.scales,  # noqa: E731
+                                                   "w13_dec": d13, "topk_ids": ti, "tile": tile} | kw))
+    with pytest.raises(TypeError, match="x"):
+        run(x=x.float())
+    with pytest.raises(ValueError, match="w13"):
+        run(w13_scales=w13.scales[:, :-16])
+    with pytest.raises(ValueError, match="T = 9 tokens exceed"):
+        xx, _, _, _, _, _, ti9, _ = _problem(9, 8, 2, 80, 96)
+        run(x=xx, topk_ids=ti9)
+    with pytest.raises(ValueError, match="topk_ids"):
+        run(topk_ids=torch.full_like(ti, 8))  # out of range (checked on CPU tensors)
+    with pytest.raises(ValueError, match="activation"):
+        run(activation="relu")
+    with pytest.raises((TypeError, ValueError), match="out"):
+        run(out=torch.empty(6, 95, dtype=x.dtype))
+    with pytest.raises(ValueError, match="decode"):
+        gm.prepare_moe_stream_gate_up(3, 80, 96, 8, 2, 8, "cpu", torch.bfloat16, tile=tile, ctas=4,
+                                      activation="silu", has_map=False, zero_numel=None, decode=7)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CPU: a model of the kernel's work list against the reference intermediate
+# ------------------------------------------------------------------------------------------------------------
+def _weights(w13) -> torch.Tensor:
+    """The bank's values without the per-expert decode global (exact in float64)."""
+    return dequantize_nvfp4(w13.codes, w13.scales, GlobalScale.from_decode(1.0), torch.float64)
+
+
+def kernel_model(x, w13, d13, ti, emap, tile, ctas, activation="silu", cta_order=None, trace=None):
+    """The kernel's index arithmetic in Python, the products in float64 on the dequantized weights (the decode
+    step is gluon_gemv_stream's, proven there); returns the intermediate (rows of routes without a local expert
+    NaN) and checks the counters end at zero."""
+    t, h = x.shape
+    e, two_i = w13.codes.shape[0], w13.codes.shape[1]
+    i = two_i // 2
+    ids = ti.reshape(-1).tolist()
+    s = len(ids)
+    if emap is not None:
+        ids = [int(emap[v]) if 0 <= v < len(emap) else -1 for v in ids]
+    ids = [v if 0 <= v < e else -1 for v in ids]
+    before = [sum(1 for b in range(a) if ids[b] == ids[a]) for a in range(s)]
+    first = [ids[a] >= 0 and before[a] == 0 for a in range(s)]
+    nth = [sum(first[: a + 1]) for a in range(s)]
+    n_e = sum(first)
+    grid = gm.moe_stream_grid(s, e, i, h, tile, ctas)
+    nb, tiles_e, half = grid.blocks_per_row, grid.tiles_e, tile.columns
+    total = n_e * tiles_e * nb
+    w = _weights(w13)
+    out = torch.full((s, i), float("nan"), dtype=torch.float64)
+    partials, counters = {}, [0] * grid.counters_numel
+    xs = x.double()
+    for pid in (cta_order or range(grid.ctas)):
+        b_begin, b_end = pid * total // grid.ctas, (pid + 1) * total // grid.ctas
+        first_tile = b_begin // nb if total else 0
+        b = b_begin
+        while b < b_end:
+            tl_ = b // nb
+            run_end = min(b_end, (tl_ + 1) * nb)
+            q, j = divmod(tl_, tiles_e)
+            ex = next(ids[a] for a in range(s) if first[a] and nth[a] == q + 1)
+            routes = [a for a in range(s) if ids[a] == ex]
+            assert len(routes) <= tile.block_t
+            rows = [(r // half) * i + min(j * half + r % half, i - 1) for r in range(tile.block_m)]
+            y = torch.zeros(tile.block_m, tile.block_t, dtype=torch.float64)
+            for kb in range(b - tl_ * nb, run_end - tl_ * nb):
+                if trace is not None:
+                    trace.append((ex, j, kb))
+                k0, k1 = kb * 128, min(h, (kb + 1) * 128)
+                for n in range(tile.block_t):
+                    tok = routes[n if n < len(routes) else 0] // ti.shape[1]
+                    y[:, n] += w[ex][rows, k0:k1] @ xs[tok, k0:k1]
+            y = y.float()
+            p_first = ((tl_ * nb + 1) * grid.ctas - 1) // total
+            p_last = ((tl_ + 1) * nb * grid.ctas - 1) // total
+            done = p_first == p_last
+            if not done:
+                slot = pid * grid.slots_per_cta + (tl_ - first_tile)
+                assert 0 <= tl_ - first_tile < grid.slots_per_cta and slot not in partials
+                partials[slot] = y
+                arrived = counters[tl_]
+                counters[tl_] += 1
+                done = arrived == p_last - p_first
+                if done:
+                    y = torch.zeros_like(y)
+                    for p in range(p_first, p_last + 1):
+                        y = y + partials[p * grid.slots_per_cta + (tl_ - p * total // grid.ctas // nb)]
+                    counters[tl_] = 0
+            if done:
+                dec = float(d13[ex])
+                gate, up = y[:half].double() * dec, y[half:].double() * dec
+                g = gate / (1 + torch.exp(-gate)) if activation == "silu" else \
+                    0.5 * gate * (1 + torch.tanh(0.7978845608028654 * (gate + 0.044715 * gate ** 3)))
+                inter = g * up
+                for n, r in enumerate(routes):
+                    for c in range(half):
+                        if j * half + c < i:
+                            out[r, j * half + c] = inter[c, n]
+            b = run_end
+    assert not any(counters), "every counter is back at zero"
+    return out
+
+
+def _ref_inter(x, w13, d13, ti, emap, activation="silu"):
+    """The intermediate of format.moe_ref's weight-only form, per route (NaN where no local expert)."""
+    w = _weights(w13)
+    e, i = w.shape[0], w.shape[1] // 2
+    s = ti.numel()
+    out = torch.full((s, i), float("nan"), dtype=torch.float64)
+    for r, gid in enumerate(ti.reshape(-1).tolist()):
+        ex = int(emap[gid]) if emap is not None else gid
+        if 0 <= ex < e:
+            h_ = w[ex] @ x[r // ti.shape[1]].double() * float(d13[ex])
+            gate, up = h_[:i], h_[i:]
+            g = gate / (1 + torch.exp(-gate)) if activation == "silu" else \
+                0.5 * gate * (1 + torch.tanh(0.7978845608028654 * (gate + 0.044715 * gate ** 3)))
+            out[r] = g * up
+    return out
+
+
+MODEL_CASES = [  # (T, E, top_k, H, I, activation, map, tile, ctas)
+    (1, 8, 2, 80, 96, "silu", False, gm.MoeStreamTile(32, 8), 5),
+    (3, 8, 4, 336, 176, "gelu_tanh", False, gm.MoeStreamTile(16, 8), 7),
+    (5, 60, 2, 256, 96, "silu", True, gm.MoeStreamTile(64, 8), 3),
+    (8, 8, 8, 144, 96, "silu", False, gm.MoeStreamTile(32, 8), 64),  # every expert 8 routes, more CTAs than blocks
+    (16, 60, 10, 80, 96, "silu", False, gm.MoeStreamTile(32, 16), 11),
+]
+
+
+@pytest.mark.parametrize("case", MODEL_CASES, ids=str)
+def test_kernel_model_matches_reference(case):
+    t, e, k, h, i, act, with_map, tile, ctas = case
+    x, w13, d13, _, _, _, ti, emap = _problem(t, e, k, h, i, with_map=with_map)
+    got = kernel_model(x, w13, d13, ti, emap, tile, ctas, act)
+    want = _ref_inter(x, w13, d13, ti, emap, act)
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=1e-5, atol=1e-6)
+
+
+def test_kernel_model_covers_every_block_once_in_any_cta_order():
+    import random
+
+    x, w13, d13, _, _, _, ti, _ = _problem(4, 8, 4, 400, 176, seed=3)
+    tile, ctas = gm.MoeStreamTile(32, 8), 13
+    runs = []
+    for seed in range(3):
+        order = list(range(ctas))
+        random.Random(seed).shuffle(order)
+        trace = []
+        runs.append(kernel_model(x, w13, d13, ti, None, tile, ctas, cta_order=order, trace=trace))
+        experts = sorted({int(v) for v in ti.reshape(-1)})
+        grid = gm.moe_stream_grid(ti.numel(), 8, 176, 400, tile, ctas)
+        assert sorted(trace) == [(ex, j, kb) for ex in experts for j in range(grid.tiles_e)
+                                 for kb in range(grid.blocks_per_row)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Compiles: sm_120 (native cvt) and sm_90 (shift decode)
+# ------------------------------------------------------------------------------------------------------------
+KERNEL = "vllm_nvfp4_sm120.kernels.gluon_moe_decode:_moe_stream_gate_up_kernel"
+_compiled: dict = {}
+
+
+def compile_tile(tile, arch=120, decode=0, dtype="bf16", has_map=True, even_k=True, activation="silu"):
+    key = (tile, arch, decode, dtype, has_map, even_k, activation)
+    if key not in _compiled:
+        sig = dict(gm.MOE_STREAM_SIGNATURE)
+        for a in ("x_ptr", "out_ptr"):
+            sig[a] = f"*{dtype}"
+        consts = dict(ACTIVATION=activation, HAS_MAP=has_map, ZERO=True, S_BLOCK=64, DECODE=decode, EVEN_K=even_k,
+                      BLOCK_M=tile.block_m, BLOCK_T=tile.block_t, WARPS=tile.num_warps, ROW_WARPS=tile.row_warps)
+        _compiled[key] = compile_kernel(KERNEL, sig, consts, arch=arch, num_warps=tile.num_warps,
+                                        divisible=gm.MOE_STREAM_DIVISIBLE, gluon=True, maxnreg=tile.max_regs)
+    return _compiled[key]
+
+
+def _words(tile) -> int:
+    """Code words one lane decodes per main-loop iteration: 2 steps x (rows per lane) x 4 words."""
+    return 2 * (tile.block_m // tile.row_warps // 8) * 4
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", list(TILES))
+def test_sweep_tiles_compile_for_sm120(name):
+    tile = TILES[name]
+    rep = compile_tile(tile).require_no_local().require_smem()
+    rep.require_ptx(r"cvt\.rn\.bf16x2\.e2m1x2").require_sass(r"F2FP\.BF16\.E2M1\.UNPACK_B")
+    rep.require_sass(r"HMMA\.16816\.F32\.BF16").require_ptx(r"atom\.global\.gpu\.acq_rel\.add")
+    loop = main_loop(rep.sass)
+    words = _words(tile)
+    # one 16-byte load per row and step for the codes, four per token row and step for the activations
+    assert loop.count(r"LDG\.E.*\.128") == words // 4 + tile.block_t, loop.ops
+    assert loop.count(r"F2FP\.BF16\.E2M1\.UNPACK_B") == 4 * words, loop.ops
+    assert 4 * loop.count(r"F2FP\.BF16\.E4M3\.UNPACK_B") == words, loop.ops
+    if tile.max_regs:
+        assert rep.registers <= tile.max_regs
+    print(rep.summary(), f"main loop {loop.total / words:.1f} instructions per code word")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", list(TILES))
+def test_sweep_tiles_compile_for_sm90_with_the_shift_decode(name):
+    tile = TILES[name]
+    rep = compile_tile(tile, arch=90, decode=2).require_no_local()
+    assert not rep.has_ptx("e2m1")
+    loop = main_loop(rep.sass)
+    words = _words(tile)
+    assert loop.count(r"HMUL2\.BF16_V2") == 4 * words, loop.ops
+    assert loop.count(r"IMAD\.HI\.U32") == words, loop.ops
+    per_word = loop.total / words
+    assert per_word < 32, (per_word, loop.ops)  # the Triton gate_up loop: 31.6 with 16 routes
+    print(rep.summary(), f"main loop {per_word:.1f} instructions per code word")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch,decode,dtype,even_k,activation", [(120, 0, "fp16", False, "gelu_tanh"),
+                                                                 (90, 2, "fp16", False, "gelu_tanh"),
+                                                                 (90, 1, "bf16", True, "silu")])
+def test_other_variants_compile(arch, decode, dtype, even_k, activation):
+    compile_tile(gm.MoeStreamTile(32, 8), arch=arch, decode=decode, dtype=dtype, has_map=False,
+                 even_k=even_k, activation=activation).require_no_local().require_smem()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# GPU: against moe_ref
+# ------------------------------------------------------------------------------------------------------------
+GPU_CASES = [  # (T, E, top_k, H, I, activation, map, dtype)
+    (1, 8, 1, 1040, 96, "silu", False, torch.bfloat16),
+    (2, 60, 4, 2048, 176, "gelu_tanh", False, torch.bfloat16),
+    (3, 128, 8, 1040, 704, "silu", True, torch.float16),
+    (5, 8, 2, 2048, 96, "silu", False, torch.float16),
+    (8, 256, 8, 7168, 256, "silu", False, torch.bfloat16),
+    (8, 8, 8, 2048, 176, "gelu_tanh", True, torch.bfloat16),  # every local expert shared by several tokens
+    (16, 60, 10, 2048, 96, "silu", False, torch.bfloat16),
+]
+
+
+def _gpu_tiles(t):
+    return [n for n, tile in TILES.items() if t <= tile.block_t]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_gpu_layer_against_reference(case):
+    t, e, k, h, i, act, with_map, dtype = case
+    p = _problem(t, e, k, h, i, dtype=dtype, with_map=with_map, device="cuda", ids_dtype=torch.int64 if t == 2
+                 else torch.int32)
+    x, w13, d13, w2, d2, tw, ti, emap = p
+    ref = moe_ref(x, w13, d13, w2, d2, tw, ti, activation=act, expert_map=emap)
+    triton_inter = moe_decode_gate_up(x, w13.codes, w13.scales, d13, ti, tile=DOWN_TILE, expert_map=emap,
+                                      activation=act)
+    local = (emap[ti.long()] if emap is not None else ti).reshape(-1) >= 0
+    for name in _gpu_tiles(t):
+        tile = TILES[name]
+        for down in ("token", "expert"):
+            out = moe_decode(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, gate_up_tile=tile,
+                             down_tile=DOWN_TILE, down=down, expert_map=emap, activation=act)
+            assert_moe_close(out, ref)
+        inter = gm.moe_stream_gate_up(x, w13.codes, w13.scales, d13, ti, tile=tile, expert_map=emap, activation=act)
+        assert_moe_close(inter[local], triton_inter[local])
+
+
+@pytest.mark.gpu
+def test_gpu_zeroes_the_buffer_reruns_bit_identical_and_replays():
+    t, e, k, h, i = 4, 128, 8, 2048, 768
+    x, w13, d13, *_, ti, _ = _problem(t, e, k, h, i, device="cuda")
+    tile = TILES["gus-m32t8"]
+    zero = torch.full((1000,), 3.0, device="cuda")
+    first = gm.moe_stream_gate_up(x, w13.codes, w13.scales, d13, ti, tile=tile, zero=zero)
+    assert int(torch.count_nonzero(zero)) == 0
+    again = gm.moe_stream_gate_up(x, w13.codes, w13.scales, d13, ti, tile=tile)
+    assert torch.equal(first, again)
+    run = gm.prepare_moe_stream_gate_up(t, h, i, e, k, e, "cuda", x.dtype, tile=tile, ctas=tile.ctas("cuda"),
+                                        activation="silu", has_map=False, zero_numel=None)
+    out = torch.empty_like(first)
+    flat = ti.reshape(-1)
+    run(x, w13.codes, w13.scales.view(torch.uint8), d13, flat, flat, out)
+    assert torch.equal(out, first)
+    graph = torch.cuda.CUDAGraph()
+    out.zero_()
+    with torch.cuda.graph(graph):
+        run(x, w13.codes, w13.scales.view(torch.uint8), d13, flat, flat, out)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, first)
+    assert all(int(torch.count_nonzero(c)) == 0 for c in run.counters.by_stream.values())

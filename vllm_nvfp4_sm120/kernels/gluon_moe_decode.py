@@ -1,0 +1,403 @@
+"""Streaming MoE decode gate_up (Gluon, tensor cores): the streaming W4A16 kernel's decode loop over the routed experts.
+
+Same operands and result as :func:`.moe_decode.moe_decode_gate_up` (the intermediate ``[T * top_k, I]``, one row per
+route, ``act(gate * dec) * (up * dec)``; rows of routes without a local expert are left unwritten; an optional fp32
+buffer zeroed for the atomic down kernel), for calls of at most ``block_t`` tokens.  What differs is the loop: the
+Triton decode kernels decode a weight tile into one layout and hand it to ``tl.dot`` through another, while this
+kernel runs the step of :mod:`.gluon_gemv_stream` (each lane's 16-byte code load decoded straight into its MMA
+operand fragment, the k order relabelled on both operands), 23.7 SASS instructions per code word on sm_90 against
+the Triton gate_up loop's 31.6.
+
+Work list and grid
+    The distinct local experts of the call, in the order of their first route slot, each split into row tiles of
+    ``BLOCK_M / 2`` intermediate columns (its gate rows, then the same columns' up rows: the gated activation needs
+    both in one program) and each row tile into 128-k blocks.  Every CTA finds the experts itself from the routing
+    ids (a ``[S, S]`` compare: no host sync, no extra launch), so the list's length is a device value, but the grid
+    is fixed (``ctas``, as many as fit on the GPU): CTA ``p`` takes blocks ``[p * total // ctas, (p + 1) * total //
+    ctas)`` of the list, the stream-K split of :mod:`.gluon_gemv_stream`.  A row tile shared by several CTAs is
+    finished by the last to arrive, summing the fp32 partials in CTA order (bit-identical run to run).
+
+Tokens
+    Every route of an expert is one column of the MMA (``BLOCK_T`` = 8 or 16), so a call of ``T <= BLOCK_T`` tokens
+    reads each touched expert's bytes once; the launcher refuses larger calls (the MoE decode table sends them
+    elsewhere).
+
+The precision contract is the streaming kernel's: products exact, fp32 sums, one rounding of the intermediate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .common import register_cap_option
+from .gluon_compat import HAS_GLUON, gl, gluon, require_gluon
+from .gluon_gemv_stream import DECODE_NAMES, K_BLOCK, default_stream_decode
+
+if HAS_GLUON:
+    from .gluon_compat import ampere  # noqa: F401 (the step's MMA)
+    from .gluon_gemv_stream import _EPILOGUE_SHIFT, _load_step, _step_blocks, _step_mma
+
+
+@dataclass(frozen=True)
+class MoeStreamTile:
+    """``block_m`` weight rows per row tile (``block_m / 2`` gate rows and the same columns' up rows), ``block_t``
+    routes per expert at most (the MMA's N: 8 or 16), warps as in :class:`.gluon_gemv_stream.StreamTile`;
+    ``ctas_per_sm``: the fixed grid is that many CTAs per SM of the GPU (as many as its registers let one SM hold,
+    so the whole grid runs at once)."""
+
+    block_m: int
+    block_t: int
+    num_warps: int = 4
+    row_warps: int = 1
+    max_regs: int | None = None
+    ctas_per_sm: int = 2
+
+    def __post_init__(self):
+        if self.block_t not in (8, 16) or self.num_warps not in (2, 4, 8) or self.row_warps not in (1, 2, 4):
+            raise ValueError(f"MoeStreamTile: unsupported {self}")
+        if self.num_warps % self.row_warps or self.block_m not in tuple(r * self.row_warps for r in (16, 32, 64)):
+            raise ValueError(f"MoeStreamTile: {self}: needs 16, 32 or 64 rows per row warp and row_warps | num_warps")
+        register_cap_option("MoeStreamTile", self.max_regs)
+        if not 1 <= self.ctas_per_sm <= 32:
+            raise ValueError(f"MoeStreamTile: ctas_per_sm = {self.ctas_per_sm} (expected 1..32)")
+
+    def ctas(self, device) -> int:
+        """The grid on ``device``'s GPU."""
+        return self.ctas_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+
+    @property
+    def columns(self) -> int:
+        """Intermediate columns per row tile."""
+        return self.block_m // 2
+
+    @property
+    def launch_options(self) -> dict:
+        return {"num_warps": self.num_warps, **register_cap_option("MoeStreamTile", self.max_regs)}
+
+
+@dataclass(frozen=True)
+class MoeStreamGrid:
+    """The largest work list a call of this shape can have, and what the workspace is sized from."""
+
+    tiles_e: int  # row tiles per expert
+    blocks_per_row: int  # 128-k blocks per row (NB)
+    max_experts: int  # distinct local experts a call can touch: min(T * top_k, E)
+    ctas: int
+    slots_per_cta: int  # most row tiles one CTA's range can touch
+
+    @property
+    def counters_numel(self) -> int:
+        return self.max_experts * self.tiles_e
+
+    def partials_numel(self, tile: MoeStreamTile) -> int:
+        return self.ctas * self.slots_per_cta * tile.block_m * tile.block_t
+
+
+def moe_stream_grid(routes: int, experts: int, i: int, h: int, tile: MoeStreamTile, ctas: int) -> MoeStreamGrid:
+    """``ctas`` clamped to at least one; slots sized for the longest range the largest list gives (a shorter list
+    gives shorter ranges, which touch no more row tiles)."""
+    tiles_e = triton.cdiv(i, tile.columns)
+    nb = triton.cdiv(h, K_BLOCK)
+    max_experts = max(1, min(routes, experts))
+    total = max_experts * tiles_e * nb
+    ctas = max(1, int(ctas))
+    if total * ctas >= 2**31:
+        raise ValueError(f"gate_up stream: {total} blocks x {ctas} CTAs overflows the kernel's 32-bit range arithmetic")
+    longest = triton.cdiv(total, ctas)
+    slots = triton.cdiv(max(longest - 1, 0), nb) + 1
+    return MoeStreamGrid(tiles_e, nb, max_experts, ctas, slots)
+
+
+def route_block(routes: int) -> int:
+    """The routing vector's width (a power of two >= 16): one compile per bucket."""
+    return max(16, triton.next_power_of_2(routes))
+
+
+# For the compile harness: argument types as the launcher passes them (bf16 activations).
+MOE_STREAM_SIGNATURE = {
+    "x_ptr": "*bf16", "w_ptr": "*i32", "ws_ptr": "*u8", "wdec_ptr": "*fp32", "ids_ptr": "*i32", "map_ptr": "*i32",
+    "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "zero_ptr": "*fp32",
+    "stride_xt": "i32", "stride_we": "i32", "stride_ww": "i32", "stride_wse": "i32", "stride_wsn": "i32",
+    "stride_om": "i32", "S": "i32", "I": "i32", "K": "i32", "E": "i32", "GLOBAL_E": "i32", "top_k": "i32",
+    "tiles_e": "i32", "slots_per_cta": "i32", "zero_numel": "i32", "zero_chunk": "i32",
+    "ACTIVATION": "constexpr", "HAS_MAP": "constexpr", "ZERO": "constexpr", "S_BLOCK": "constexpr",
+    "DECODE": "constexpr", "EVEN_K": "constexpr", "BLOCK_M": "constexpr", "BLOCK_T": "constexpr",
+    "WARPS": "constexpr", "ROW_WARPS": "constexpr",
+}
+MOE_STREAM_DIVISIBLE = [k for k, v in MOE_STREAM_SIGNATURE.items() if v.startswith("*")] + [
+    "I", "K", "stride_xt", "stride_we", "stride_ww", "stride_wse", "stride_wsn", "stride_om",
+]
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _local_ids(ids_ptr, map_ptr, offs, S, E, GLOBAL_E, HAS_MAP: gl.constexpr):
+        """Local expert of each route slot in ``offs``; -1 past S, for another rank's expert, or an id out of range."""
+        ids = gl.load(ids_ptr + offs, mask=offs < S, other=-1).to(gl.int32)
+        if HAS_MAP:
+            known = (ids >= 0) & (ids < GLOBAL_E)
+            ids = gl.load(map_ptr + ids, mask=known, other=-1).to(gl.int32)
+        return gl.where((ids >= 0) & (ids < E), ids, -1)
+
+    @gluon.jit
+    def _gated(gate, up, ACTIVATION: gl.constexpr):
+        """``act(gate) * up`` in fp32, the formulas of moe_common.gated_activation_f32."""
+        if ACTIVATION == "silu":
+            g = gate / (1.0 + gl.exp(-gate))
+        else:
+            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            g = 0.5 * gate * (2.0 - 2.0 / (gl.exp(2.0 * inner) + 1.0))
+        return g * up
+
+    @gluon.jit
+    def _moe_stream_gate_up_kernel(
+        x_ptr, w_ptr, ws_ptr, wdec_ptr, ids_ptr, map_ptr, out_ptr, part_ptr, cnt_ptr, zero_ptr,
+        stride_xt, stride_we, stride_ww, stride_wse, stride_wsn, stride_om,
+        S, I, K, E, GLOBAL_E, top_k, tiles_e, slots_per_cta, zero_numel, zero_chunk,
+        ACTIVATION: gl.constexpr, HAS_MAP: gl.constexpr, ZERO: gl.constexpr, S_BLOCK: gl.constexpr,
+        DECODE: gl.constexpr, EVEN_K: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr, WARPS: gl.constexpr, ROW_WARPS: gl.constexpr,
+    ):
+        BMW: gl.constexpr = BLOCK_M // ROW_WARPS
+        KW: gl.constexpr = WARPS // ROW_WARPS
+        HALF: gl.constexpr = BLOCK_M // 2
+        # The step's layouts, as in gluon_gemv_stream._stream_kernel.
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1, 1],
+                                                      instr_shape=[1, 16, 8])
+        A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
+        B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
+        CL: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 8, 4], [WARPS, 1, 1], [2, 1, 0])
+        W4: gl.constexpr = gl.BlockedLayout([1, 1, 2, 2], [1, 8, 4, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
+        S3: gl.constexpr = gl.SliceLayout(3, W4)
+        XL: gl.constexpr = gl.BlockedLayout([1, 1, 32], [1, 8, 4], [WARPS, 1, 1], [2, 1, 0])
+        O2: gl.constexpr = gl.BlockedLayout([1, 1], [16, 2], [1, WARPS], [0, 1])
+        ACC_B: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 16, 2], [WARPS, 1, 1], [1, 2, 0])
+        # gate / up halves of a row tile side by side in each thread, for the activation
+        Y3: gl.constexpr = gl.BlockedLayout([1, 1, 2], [16, 2, 1], [1, WARPS, 1], [2, 0, 1])
+        # the routing: [slot a, slot b] compares, and [column n, slot] for the routes of an expert
+        R2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [WARPS, 1], [1, 0])
+        NB = gl.cdiv(K, 128)
+
+        pid = gl.program_id(0)
+        ctas = gl.num_programs(0)
+        if ZERO:  # the atomic down kernel's accumulator, one slice per CTA, before anything else
+            ZL: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])
+            start = pid * zero_chunk
+            for z0 in range(0, zero_chunk, 4 * 32 * WARPS):
+                zo = z0 + gl.arange(0, 4 * 32 * WARPS, layout=ZL)
+                gl.store(zero_ptr + start + zo, gl.zeros([4 * 32 * WARPS], gl.float32, ZL),
+                         mask=(start + zo < zero_numel) & (zo < zero_chunk))
+
+        # ---- the distinct local experts, in the order of their first slot
+        offs_a = gl.arange(0, S_BLOCK, layout=gl.SliceLayout(1, R2))
+        offs_b = gl.arange(0, S_BLOCK, layout=gl.SliceLayout(0, R2))
+        ids_a = _local_ids(ids_ptr, map_ptr, offs_a, S, E, GLOBAL_E, HAS_MAP)
+        ids_b = _local_ids(ids_ptr, map_ptr, offs_b, S, E, GLOBAL_E, HAS_MAP)
+        # (scans have no layout here for these vectors: sums over [slot, slot] compares instead)
+        earlier = ((ids_a[:, None] == ids_b[None, :]) & (offs_b[None, :] < offs_a[:, None])).to(gl.int32)
+        before_a = gl.sum(earlier, axis=1)  # routes to the same expert in earlier slots
+        first_a = (ids_a >= 0) & (before_a == 0)
+        first_b = gl.convert_layout(first_a, gl.SliceLayout(0, R2))
+        before_b = gl.convert_layout(before_a, gl.SliceLayout(0, R2))
+        # 1-based rank of each first slot among the first slots (0 elsewhere); only the slot-b vectors stay live
+        # through the loop (a lane holds S_BLOCK / 32 slots of them, against S_BLOCK / WARPS of the slot-a ones).
+        nth_a = gl.sum((first_b[None, :] & (offs_b[None, :] <= offs_a[:, None])).to(gl.int32), axis=1)
+        nth_b = gl.convert_layout(gl.where(first_a, nth_a, 0), gl.SliceLayout(0, R2))
+        n_e = gl.sum(first_a.to(gl.int32), axis=0)
+        total = n_e * tiles_e * NB
+
+        # ---- per-lane offsets (as in the streaming kernel)
+        w_c = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, CL)))[:, None, None]
+        m_c = gl.arange(0, BMW, layout=gl.SliceLayout(0, gl.SliceLayout(2, CL)))[None, :, None]
+        k_c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, CL)))[None, None, :]
+        w_s = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, S3)))[:, None, None]
+        m_s = gl.arange(0, BMW, layout=gl.SliceLayout(0, gl.SliceLayout(2, S3)))[None, :, None]
+        k_s = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, S3)))[None, None, :]
+        w_x = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))[:, None, None]
+        k_x = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))[None, None, :]
+        row_c = (w_c % ROW_WARPS) * BMW + m_c
+        row_s = (w_s % ROW_WARPS) * BMW + m_s
+        cols_y = gl.arange(0, HALF, layout=gl.SliceLayout(1, gl.SliceLayout(2, Y3)))
+        n_r = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, R2))
+        part_offs = (gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O2))[:, None] * BLOCK_T
+                     + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, O2))[None, :])
+
+        b_begin = pid * total // ctas
+        b_end = (pid + 1) * total // ctas
+        first_tile = b_begin // NB
+        b = b_begin
+        while b < b_end:
+            tile = b // NB  # q * tiles_e + j: expert rank q, its row tile j
+            run_end = gl.minimum(b_end, (tile + 1) * NB)
+            kb0 = b - tile * NB
+            kb_last = run_end - tile * NB - 1
+            last = gl.cdiv(run_end - b, KW) - 1
+            q = tile // tiles_e
+            col0 = (tile - q * tiles_e) * HALF
+
+            # The expert of rank q and its routes (column n: its n-th route in slot order).
+            e = gl.max(gl.where(nth_b == q + 1, ids_b, -1), axis=0)
+            match = ids_b == e
+            count = gl.sum(match.to(gl.int32), axis=0)
+            # Column n: the expert's route with n earlier routes to it; columns past its routes read the first
+            # route's token (an L1 hit) and store nothing.
+            route = gl.max(gl.where(match[None, :] & (before_b[None, :] == n_r[:, None]), offs_b[None, :], -1), axis=1)
+            route = gl.where(n_r < count, route, gl.max(gl.where(match & (before_b == 0), offs_b, -1), axis=0))
+            tok = route // top_k
+            tok_x = gl.convert_layout(tok, gl.SliceLayout(0, gl.SliceLayout(2, XL)))[None, :, None]
+            x_offs = tok_x * stride_xt + k_x
+
+            # Rows: gate rows col0 .. col0 + HALF, then the up rows I + col0 ..; columns past I re-read column I - 1.
+            wrow_c = (row_c // HALF) * I + gl.minimum(col0 + row_c % HALF, I - 1)
+            wrow_s = (row_s // HALF) * I + gl.minimum(col0 + row_s % HALF, I - 1)
+            w_base = w_ptr + e.to(gl.int64) * stride_we
+            w_offs = wrow_c * stride_ww + k_c
+            s_base = ws_ptr + e.to(gl.int64) * stride_wse
+            s_offs = wrow_s * stride_wsn + k_s
+
+            kb_w, kb_s, kb_x = kb0 + w_c // ROW_WARPS, kb0 + w_s // ROW_WARPS, kb0 + w_x // ROW_WARPS
+            acc = gl.zeros([WARPS, BMW, BLOCK_T], gl.float32, MMA)
+            words_a, sc_a, x_a = _load_step(w_base, w_offs, s_base, s_offs, x_ptr, x_offs,
+                                            _step_blocks(kb_w, kb_s, kb_x, 0, kb_last),
+                                            k_c * 8, k_s * 16, k_x, K, EVEN_K)
+            for i in range(0, last - 1, 2):
+                words_b, sc_b, x_b = _load_step(w_base, w_offs, s_base, s_offs, x_ptr, x_offs,
+                                                _step_blocks(kb_w, kb_s, kb_x, (i + 1) * KW, kb_last),
+                                                k_c * 8, k_s * 16, k_x, K, EVEN_K)
+                acc = _step_mma(words_a, sc_a, x_a, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
+                words_a, sc_a, x_a = _load_step(w_base, w_offs, s_base, s_offs, x_ptr, x_offs,
+                                                _step_blocks(kb_w, kb_s, kb_x, (i + 2) * KW, kb_last),
+                                                k_c * 8, k_s * 16, k_x, K, EVEN_K)
+                acc = _step_mma(words_b, sc_b, x_b, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
+            if last % 2 == 1:
+                words_b, sc_b, x_b = _load_step(w_base, w_offs, s_base, s_offs, x_ptr, x_offs,
+                                                _step_blocks(kb_w, kb_s, kb_x, last * KW, kb_last),
+                                                k_c * 8, k_s * 16, k_x, K, EVEN_K)
+                acc = _step_mma(words_a, sc_a, x_a, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
+                words_a, sc_a, x_a = words_b, sc_b, x_b
+            words_a = gl.where(kb_w + last * KW <= kb_last, words_a, 0)
+            acc = _step_mma(words_a, sc_a, x_a, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
+
+            y = gl.sum(gl.convert_layout(acc, ACC_B).reshape([KW, BLOCK_M, BLOCK_T]), axis=0)
+            y = gl.convert_layout(y, O2)
+            p_first = ((tile * NB + 1) * ctas - 1) // total
+            p_last = ((tile + 1) * NB * ctas - 1) // total
+            done = p_first == p_last
+            if p_first != p_last:
+                slot = pid * slots_per_cta + (tile - first_tile)
+                gl.store(part_ptr + slot.to(gl.int64) * (BLOCK_M * BLOCK_T) + part_offs, y)
+                gl.barrier()  # every thread's partial is written before the release below
+                arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+                done = arrived == p_last - p_first
+                if done:  # the last contributor: add all partials in CTA order
+                    y = gl.zeros([BLOCK_M, BLOCK_T], gl.float32, O2)
+                    for p in range(p_first, p_last + 1):
+                        p_slot = p * slots_per_cta + (tile - p * total // ctas // NB)
+                        y += gl.load(part_ptr + p_slot.to(gl.int64) * (BLOCK_M * BLOCK_T) + part_offs,
+                                     cache_modifier=".cg")
+                    gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next call
+            if done:
+                dec = gl.load(wdec_ptr + e)
+                if DECODE == 2:  # DECODE_SHIFT: the power of two the scale pairs left out
+                    dec = dec * _EPILOGUE_SHIFT
+                # [gate rows | up rows] x tokens -> (column, token, gate / up) with both halves in one thread
+                y3 = gl.convert_layout(y.reshape([2, HALF, BLOCK_T]).permute(1, 2, 0), Y3)
+                gate, up = gl.split(y3)
+                inter = gl.convert_layout(_gated(gate * dec, up * dec, ACTIVATION), gl.SliceLayout(2, Y3))
+                cols = col0 + cols_y
+                n_o = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, gl.SliceLayout(2, Y3)))
+                route_o = gl.convert_layout(route, gl.SliceLayout(0, gl.SliceLayout(2, Y3)))
+                out_ptrs = out_ptr + route_o[None, :].to(gl.int64) * stride_om + cols[:, None]
+                gl.store(out_ptrs, inter.to(out_ptr.dtype.element_ty),
+                         mask=(cols < I)[:, None] & (n_o < count)[None, :])
+            b = run_end
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------------------
+def prepare_moe_stream_gate_up(t: int, h: int, i: int, e: int, top_k: int, global_e: int, device, dtype, *,
+                               tile: MoeStreamTile, ctas: int, activation: str, has_map: bool,
+                               zero_numel: int | None, decode: int | None = None):
+    """A ready launch: ``run(x, w13_codes, w13_sf_u8, w13_dec, topk_ids, emap, out, zero) -> out [T * top_k, I]``
+    for ``T = t <= tile.block_t``.  It checks nothing (:func:`moe_stream_gate_up` does); partial sums are a fresh
+    buffer per call (every slot read is written first in the same launch), the arrival counters one zeroed tensor
+    per CUDA stream that the kernel leaves zero."""
+    from .launch import ReadyKernel, StreamCounters
+
+    if t > tile.block_t:
+        raise ValueError(f"gate_up stream: T = {t} tokens exceed the tile's {tile.block_t} routes per expert")
+    decode = default_stream_decode(torch.device(device), dtype) if decode is None else decode
+    if decode not in DECODE_NAMES:
+        raise ValueError(f"decode: expected one of {sorted(DECODE_NAMES)}, got {decode}")
+    s = t * top_k
+    grid = moe_stream_grid(s, e, i, h, tile, ctas)
+    partials = grid.partials_numel(tile)
+    counters = StreamCounters(grid.counters_numel, device)
+    has_zero = zero_numel is not None
+    zero_chunk = -(-zero_numel // grid.ctas) if has_zero else 0
+    launch = ReadyKernel(
+        _moe_stream_gate_up_kernel, (grid.ctas,), S=s, I=i, K=h, E=e, GLOBAL_E=global_e, top_k=top_k,
+        tiles_e=grid.tiles_e, slots_per_cta=grid.slots_per_cta, zero_numel=zero_numel if has_zero else 0,
+        zero_chunk=zero_chunk, ACTIVATION=activation, HAS_MAP=has_map, ZERO=has_zero, S_BLOCK=route_block(s),
+        DECODE=decode, EVEN_K=h % K_BLOCK == 0, BLOCK_M=tile.block_m, BLOCK_T=tile.block_t, WARPS=tile.num_warps,
+        ROW_WARPS=tile.row_warps, **tile.launch_options)
+
+    def run(x, w13_codes, w13_sf, w13_dec, topk_ids, emap, out=None, zero=None):
+        if out is None:
+            out = torch.empty((s, i), dtype=x.dtype, device=x.device)
+        part = torch.empty(max(partials, 1), dtype=torch.float32, device=x.device)
+        launch(x, w13_codes.view(torch.int32), w13_sf, w13_dec, topk_ids, emap, out, part, counters.get(),
+               zero if has_zero else part, x.stride(0), w13_codes.stride(0) // 4, w13_codes.stride(1) // 4,
+               w13_sf.stride(0), w13_sf.stride(1), out.stride(0))
+        return out
+
+    run.counters = counters
+    return run
+
+
+def moe_stream_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, *, tile: MoeStreamTile, expert_map=None,
+                       activation: str = "silu", out=None, zero=None, check_ids: bool = False,
+                       decode: int | None = None):
+    """:func:`.moe_decode.moe_decode_gate_up`'s result by the streaming Gluon kernel, for ``T <= tile.block_t``.
+
+    Inputs are checked as the Triton launcher checks them; ``zero`` (fp32, contiguous) is zeroed by the kernel's
+    CTAs first."""
+    from ..format.checks import ACT_DTYPES, check_tensor
+    from ..format.reference import ACTIVATIONS
+    from .moe_decode import _check_bank, _check_routing
+
+    require_gluon("moe_stream_gate_up")
+    check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
+    t, h = x.shape
+    w_sf, e, two_i, _ = _check_bank("w13", w13_codes, w13_scales, w13_dec, None, h, x.device)
+    if two_i % 32:
+        raise ValueError(f"w13_codes: 2I = {two_i} rows must be gate and up halves with I % 16 == 0")
+    if w13_codes.stride(1) % 4 or w13_codes.stride(0) % 4:
+        raise ValueError(f"w13_codes: strides {list(w13_codes.stride())} bytes must be multiples of 4 (read as words)")
+    i = two_i // 2
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    t, k, global_e, emap, has_map = _check_routing(topk_ids, None, expert_map, e, t, check_ids, x.device)
+    if t > tile.block_t:
+        raise ValueError(f"x: T = {t} tokens exceed the tile's {tile.block_t} routes per expert "
+                         f"(the streaming gate_up takes T <= block_t)")
+    s = t * k
+    if out is None:
+        out = torch.empty((s, i), dtype=x.dtype, device=x.device)
+    check_tensor("out", out, dtype=x.dtype, shape=[s, i], last_dim_contiguous=True, device=x.device)
+    if zero is not None:
+        check_tensor("zero", zero, dtype=torch.float32, device=x.device)
+        if not zero.is_contiguous():
+            raise ValueError("zero: expected a contiguous tensor (its storage is zeroed flat)")
+    if s == 0:
+        if zero is not None:
+            zero.zero_()
+        return out
+    run = prepare_moe_stream_gate_up(t, h, i, e, k, global_e, x.device, x.dtype, tile=tile, ctas=tile.ctas(x.device),
+                                     activation=activation, has_map=has_map,
+                                     zero_numel=None if zero is None else zero.numel(), decode=decode)
+    return run(x, w13_codes, w_sf, w13_dec, topk_ids.reshape(-1), emap, out, zero)
