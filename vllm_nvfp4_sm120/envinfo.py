@@ -139,12 +139,14 @@ def moe_plan(capability: tuple[int, int] | None, *, w4a4: bool, hidden: int, int
         p = dispatch_moe.select_moe_plan(cap, num_tokens=t, top_k=top_k, global_experts=experts,
                                          hidden=hidden, intermediate=intermediate, w4a4=w4a4)
         m = dispatch_moe.tokens_per_expert(t, top_k, experts)
-        tma = "TMA " if p.gate_up.use_tma or p.down.use_tma else ""
+        stream = not hasattr(p.gate_up, "use_tma")  # the streaming Gluon gate_up (a MoeStreamTile)
+        tma = "TMA " if (not stream and p.gate_up.use_tma) or p.down.use_tma else ""
         down = "gate_up and down in one launch" if p.decode_down == "fused" else f"{p.decode_down}-major down"
         kind = (f"{p.kernel} align-free decode ({down})" if p.impl == "decode" else f"{p.kernel} BLOCK_M {p.block_m}")
+        gate_up = (f"streaming {p.gate_up.block_m}x{p.gate_up.block_t}" if stream
+                   else f"{p.gate_up.block_n}x{p.gate_up.block_k}")
         out.append((f"T = {t} ({m:g} rows/expert)",
-                    f"{kind}, gate_up {p.gate_up.block_n}x{p.gate_up.block_k} / down "
-                    f"{p.down.block_n}x{p.down.block_k} {tma}[{p.tier}]"))
+                    f"{kind}, gate_up {gate_up} / down {p.down.block_n}x{p.down.block_k} {tma}[{p.tier}]"))
     return out
 
 

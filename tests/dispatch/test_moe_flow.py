@@ -209,10 +209,14 @@ def _decode_plans():
         "t8-token-odd": (8, 4112, 496), "t4-expert-nontma": (4, 4112, 4112), "t2-wide-gate-up": (2, 7168, 4096),
     }
     out = []
-    for name, (t, h, i) in cases.items():
-        p = decode_tier_plan(SM90, t, hidden=h, intermediate=i)
-        assert p in all_moe_plans(SM90)  # one the dispatch can return
-        out.append(pytest.param(p, id=name))
+    # The Triton gate_up tiles (the interpreter cannot run the streaming Gluon one; tests/kernels/
+    # test_gluon_moe_decode.py and the GPU op tests below cover it).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_NVFP4_SM120_DISABLE_GLUON", "1")
+        for name, (t, h, i) in cases.items():
+            p = decode_tier_plan(SM90, t, hidden=h, intermediate=i)
+            assert p in all_moe_plans(SM90)  # one the dispatch can return
+            out.append(pytest.param(p, id=name))
     return out
 
 
@@ -387,7 +391,7 @@ def test_fused_decode_plan_refuses_tiles_it_cannot_share():
         fused_decode_plan(SM90, replace(gate, block_k=256, use_tma=True), down, hidden=112, intermediate=96)
 
 
-def test_dispatch_decode_rows():
+def test_dispatch_decode_rows(monkeypatch):
     from vllm_nvfp4_sm120.dispatch import moe as M
 
     def plan(t, name="qwen3-30b-a3b", cap=SM90, w4a4=False, **over):
@@ -405,24 +409,40 @@ def test_dispatch_decode_rows():
                 for w4a4 in (False, True):  # weight-only for W4A4 checkpoints too
                     p = plan(t, name, cap, w4a4)
                     assert (p.impl, p.kernel, p.block_m) == ("decode", "w4a16", 0), (cap, name, t, w4a4)
-                    # gate_up by pointer loads (the narrow K step); the expert-major down by TMA at I <= 512 only.
+                    # the expert-major down by TMA at I <= 512 only.
                     i = H200_SHAPES[name][1]
-                    assert not p.gate_up.use_tma
                     assert p.down.use_tma == (p.decode_down == "expert" and i <= M.DECODE_TMA_DOWN_MAX_I)
+                    assert p.down.shift_decode == (t > 2 or i > M.DECODE_TMA_DOWN_MAX_I)
+                    # The streaming Gluon gate_up where it won on the H100 (run 63): H = 7168 at T = 1-8,
+                    # H = 4096 at T = 2-8, every H at T = 8.
+                    stream = t <= 8 and (h >= 7168 or (h >= 4096 and t >= 2) or (h >= 2048 and t == 8))
+                    assert (p.gate_up == M.DECODE_STREAM_GATE_UP_TILES["gus-m32t8"]) == stream, (cap, name, t)
+                    assert p.tier.endswith("/stream") == stream
+                    if stream:
+                        assert p.tma[0] is False
+                        continue
+                    # otherwise the Triton gate_up by pointer loads (the narrow K step)
+                    assert not p.gate_up.use_tma
                     wide = h >= M.DECODE_WIDE_GATE_UP_MIN_H and t <= M.DECODE_WIDE_GATE_UP_MAX_T
                     assert (p.gate_up == M.DECODE_GATE_UP_TILES[M.DECODE_WIDE_GATE_UP_TILE]) == wide
                     assert p.tier.endswith("/wide") == wide
                     assert p.gate_up.shift_decode == (t != 2 or wide)
-                    assert p.down.shift_decode == (t > 2 or i > M.DECODE_TMA_DOWN_MAX_I)
                     assert p.gate_up.k_warps == (4 if t == 1 and not wide else 1)
             h, i, e, k = H200_SHAPES[name]  # T = 64: the decode plan's below 4 routes per expert (H200 run 26)
             assert (plan(64, name, cap).impl == "decode") == (64 * k / e < M.W4A4_MIN_TOKENS_PER_EXPERT)
             assert plan(128, name, cap).impl != "decode"
-    names = {t: next(n for n, tile in M.DECODE_GATE_UP_TILES.items() if tile == plan(t, "deepseek-v3").gate_up)
-             for t in (1, 2, 4, 8, 32)}
-    # H = 7168: the wide gate_up up to T = 8 (H200 run 43), the rows' tiles beyond.
-    assert names == {1: "gu-n32k128-w1-st3-shift", 2: "gu-n32k128-w1-st3-shift", 4: "gu-n32k128-w1-st3-shift",
-                     8: "gu-n32k128-w1-st3-shift", 32: "gu-n32k128-w2-st3-shift"}
+    # H = 7168: the streaming gate_up up to T = 8 (H100 run 63), the rows' tiles beyond; without Gluon the wide
+    # Triton tile up to T = 8 (H200 run 43).
+    assert all(plan(t, "deepseek-v3").gate_up == M.DECODE_STREAM_GATE_UP_TILES["gus-m32t8"] for t in (1, 2, 4, 8))
+    assert plan(32, "deepseek-v3").gate_up == M.DECODE_GATE_UP_TILES["gu-n32k128-w2-st3-shift"]
+    monkeypatch.setenv("VLLM_NVFP4_SM120_DISABLE_GLUON", "1")
+    assert all(plan(t, "deepseek-v3").gate_up == M.DECODE_GATE_UP_TILES["gu-n32k128-w1-st3-shift"]
+               for t in (1, 2, 4, 8))
+    assert plan(8).gate_up == M.DECODE_GATE_UP_TILES["gu-n32k128-w2-st3-shift"]
+    monkeypatch.delenv("VLLM_NVFP4_SM120_DISABLE_GLUON")
+    # below the measured H (2048) the Triton rows at every T
+    assert decode_tier_plan(SM90, 8, hidden=1024, intermediate=768).gate_up == M.DECODE_GATE_UP_TILES[
+        "gu-n32k128-w2-st3-shift"]
     assert [plan(1, "qwen3-235b-a22b").gate_up, plan(2).gate_up] == [
         M.DECODE_GATE_UP_TILES["gu-n16k256-kw4-st3-shift"], M.DECODE_GATE_UP_TILES["gu-n16k128-w2-st3"]]
     assert all(plan(t, "deepseek-v3").decode_down == "expert" for t in (1, 4, 32))
@@ -453,7 +473,16 @@ def test_decode_plan_kwargs_bind():
     p = decode_tier_plan(SM120, 8, hidden=2048, intermediate=512)  # the token-major down
     gate_up, down = MOE_KERNELS[p.kernel, p.impl]
     assert p.gate_up_kwargs() == {"tile": p.gate_up} and p.down_kwargs() == {"tile": p.down, "by_expert": False}
-    assert gate_up.__name__ == "moe_decode_gate_up"
+    # one entry for both gate_up kernels: the tile's type picks the Triton or the streaming Gluon launcher, and
+    # the flow's call binds to it either way
+    import inspect
+
+    from vllm_nvfp4_sm120.dispatch import moe as M
+
+    assert gate_up.__name__ == "_decode_gate_up" and p.gate_up == M.DECODE_STREAM_GATE_UP_TILES["gus-m32t8"]
+    for tile in (p.gate_up, M.DECODE_GATE_UP_TILES["gu-n16k128-w2-st3"]):
+        inspect.signature(gate_up).bind(None, None, None, None, None, expert_map=None, activation="silu", zero=None,
+                                        down_bank=None, tile=tile)
 
 
 def test_op_on_cpu_is_the_reference_at_decode_sizes(gen):

@@ -135,15 +135,21 @@ def _gpu_plan(kind: str):
         gate = replace(decode_tier_plan(SM90, 4, hidden=2048, intermediate=768).gate_up, max_regs=248)
         down = DecodeTile(64, 256, 16, num_warps=2, num_stages=2, use_dot=True, shift_decode=True, max_regs=248)
         return fused_decode_plan(SM90, gate, down, hidden=2048, intermediate=768), 4, 768
+    if kind == "expert-triton":  # T = 4 at H = 2048: the Triton gate_up
+        plan = decode_tier_plan(SM90, 4, hidden=2048, intermediate=768)
+        assert plan.decode_down == "expert" and isinstance(plan.gate_up, DecodeTile)
+        return plan, 4, 768
     i = 768 if kind == "expert" else 512
     plan = decode_tier_plan(SM90, 8, hidden=2048, intermediate=i)  # T = 8: the token-major rule
     assert plan.decode_down == kind
+    if HAS_GLUON:  # and the streaming Gluon gate_up
+        assert plan.tier.endswith("/stream")
     return plan, 4, i
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,deterministic", [("token", False), ("fused", False), ("expert", True), ("expert", False),
-                                                ("tiers", True), ("tiers", False), ("tiers-w4a4", True),
+                                                ("expert-triton", False), ("tiers", True), ("tiers", False), ("tiers-w4a4", True),
                                                 ("gluon", True), ("gluon-w4a4", True)])
 def test_flow_second_call_takes_ready_launcher(kind, deterministic, gen):
     if kind.startswith("gluon") and not HAS_GLUON:

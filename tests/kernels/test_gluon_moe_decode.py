@@ -98,6 +98,8 @@ def test_launcher_checks():
         run(topk_ids=torch.full_like(ti, 8))  # out of range (checked on CPU tensors)
     with pytest.raises(ValueError, match="activation"):
         run(activation="relu")
+    with pytest.raises(ValueError, match="x: the streaming gate_up runs on a CUDA GPU"):
+        run()
     with pytest.raises((TypeError, ValueError), match="out"):
         run(out=torch.empty(6, 95, dtype=x.dtype))
     with pytest.raises(ValueError, match="decode"):
@@ -132,13 +134,14 @@ def kernel_model(x, w13, d13, ti, emap, tile, ctas, activation="silu", cta_order
     grid = gm.moe_stream_grid(s, e, i, h, tile, ctas)
     nb, tiles_e, half = grid.blocks_per_row, grid.tiles_e, tile.columns
     total = n_e * tiles_e * nb
+    ctas = max(min(grid.ctas, total), 1)  # a list shorter than the grid: one block per CTA, the rest idle
     w = _weights(w13)
     out = torch.full((s, i), float("nan"), dtype=torch.float64)
     partials, counters = {}, [0] * grid.counters_numel
     xs = x.double()
     for pid in (cta_order or range(grid.ctas)):
-        b_begin, b_end = pid * total // grid.ctas, (pid + 1) * total // grid.ctas
-        first_tile = b_begin // nb if total else 0
+        b_begin, b_end = min(pid, ctas) * total // ctas, min(pid + 1, ctas) * total // ctas
+        first_tile = b_begin // nb
         b = b_begin
         while b < b_end:
             tl_ = b // nb
@@ -157,8 +160,8 @@ def kernel_model(x, w13, d13, ti, emap, tile, ctas, activation="silu", cta_order
                     tok = routes[n if n < len(routes) else 0] // ti.shape[1]
                     y[:, n] += w[ex][rows, k0:k1] @ xs[tok, k0:k1]
             y = y.float()
-            p_first = ((tl_ * nb + 1) * grid.ctas - 1) // total
-            p_last = ((tl_ + 1) * nb * grid.ctas - 1) // total
+            p_first = ((tl_ * nb + 1) * ctas - 1) // total
+            p_last = ((tl_ + 1) * nb * ctas - 1) // total
             done = p_first == p_last
             if not done:
                 slot = pid * grid.slots_per_cta + (tl_ - first_tile)
@@ -170,7 +173,7 @@ def kernel_model(x, w13, d13, ti, emap, tile, ctas, activation="silu", cta_order
                 if done:
                     y = torch.zeros_like(y)
                     for p in range(p_first, p_last + 1):
-                        y = y + partials[p * grid.slots_per_cta + (tl_ - p * total // grid.ctas // nb)]
+                        y = y + partials[p * grid.slots_per_cta + (tl_ - p * total // ctas // nb)]
                     counters[tl_] = 0
             if done:
                 dec = float(d13[ex])
@@ -210,6 +213,8 @@ MODEL_CASES = [  # (T, E, top_k, H, I, activation, map, tile, ctas)
     (5, 60, 2, 256, 96, "silu", True, gm.MoeStreamTile(64, 8), 3),
     (8, 8, 8, 144, 96, "silu", False, gm.MoeStreamTile(32, 8), 64),  # every expert 8 routes, more CTAs than blocks
     (16, 60, 10, 80, 96, "silu", False, gm.MoeStreamTile(32, 16), 11),
+    (1, 8, 1, 1040, 96, "silu", False, gm.MoeStreamTile(32, 8), 396),  # 54 blocks for 396 CTAs
+    (2, 8, 2, 336, 176, "gelu_tanh", True, gm.MoeStreamTile(16, 8), 100),  # 0-4 experts x 11 tiles x 3 blocks
 ]
 
 
@@ -264,6 +269,16 @@ def compile_tile(tile, arch=120, decode=0, dtype="bf16", has_map=True, even_k=Tr
 def _words(tile) -> int:
     """Code words one lane decodes per main-loop iteration: 2 steps x (rows per lane) x 4 words."""
     return 2 * (tile.block_m // tile.row_warps // 8) * 4
+
+
+def test_the_dispatch_tiles_are_among_the_compiled_ones():
+    from vllm_nvfp4_sm120.dispatch.hw import Capability
+    from vllm_nvfp4_sm120.dispatch.moe import DECODE_STREAM_GATE_UP_TILES, all_moe_plans
+
+    assert set(DECODE_STREAM_GATE_UP_TILES.values()) <= set(TILES.values())
+    for cc in (90, 120):
+        used = {p.gate_up for p in all_moe_plans(Capability(cc)) if isinstance(p.gate_up, gm.MoeStreamTile)}
+        assert used and used <= set(TILES.values()), cc
 
 
 @pytest.mark.compile

@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from ..kernels.gluon_compat import gluon_enabled
+from ..kernels.gluon_moe_decode import MoeStreamTile
 from ..kernels.moe_decode import MAX_ROUTES, DecodeTile, tma_ok
 from ..kernels.moe_decode_fused import check_fused_tiles
 from .configs import measured_moe_plan
@@ -259,6 +260,41 @@ DECODE_WIDE_GATE_UP_MIN_H = 7168
 DECODE_WIDE_GATE_UP_MAX_T = 8
 DECODE_WIDE_GATE_UP_TILE = "gu-n32k128-w1-st3-shift"
 
+# The streaming Gluon gate_up (kernels/gluon_moe_decode.py: the linear streaming kernel's decode step, 25.8 SASS
+# instructions per code word on sm_90 against the Triton loop's 31.6, over a stream-K list of the touched experts' row
+# tiles; T <= its block_t).  Side by side with the rows' Triton tiles on an H100 (device run 63, CUDA graphs, weights
+# beyond L2; docs/benchmarks.md "The streaming gate_up"), it wins where the gate_up streams long K rows:
+DECODE_STREAM_GATE_UP_TILES = {"gus-m32t8": MoeStreamTile(32, 8, ctas_per_sm=3)}
+# (min H, min T, max T, tile, why): the first row with H >= min H and min T <= T <= max T serves the gate_up (the
+# down and the rest of the plan as the rows below).  Gluon only (``VLLM_NVFP4_SM120_DISABLE_GLUON`` turns it off).
+_H100_STREAM_ROWS = (
+    (7168, 1, 8, "gus-m32t8",
+     "H100 run 63: DeepSeek-V3 gate_up 65.5 / 114.2 / 219.2 / 390.7 us at T = 1 / 2 / 4 / 8 against the best Triton "
+     "tile's 71.9 / 128.7 / 252.8 / 449.4 (1.10-1.15x); the layer 1.12-1.19x the table's; T = 3, 5-7 between "
+     "measured points"),
+    (4096, 2, 8, "gus-m32t8",
+     "H100 run 63: Qwen3-235B-A22B gate_up 56.3 / 98.2 / 166.9 us at T = 2 / 4 / 8 against 62.0 / 114.7 / 196.7 "
+     "(1.10-1.18x), the layer 1.14-1.16x; T = 1 a tie (34.7 against 34.7 us), so the Triton row keeps it"),
+    (2048, 8, 8, "gus-m32t8",
+     "H100 run 63: at H = 2048 the streaming tile wins only at T = 8 (Qwen3-30B-A3B 53.5 against 56.6 us, "
+     "Qwen3-Next-80B 51.3 against 55.1); at T = 1-4 its short K runs lose 4-30 %; T = 5-7 and H < 2048 "
+     "unmeasured"),
+)
+_DECODE_STREAM_ROWS = {
+    Family.SM90: _H100_STREAM_ROWS,
+    # Compile-checked for sm_120 (native cvt, no local memory, 159 registers: 3 CTAs per SM as on sm_90).
+    Family.SM120: tuple(row[:-1] + (row[-1] + "; the sm_90 measurement until an sm_120 run",)
+                        for row in _H100_STREAM_ROWS),
+}
+
+
+def _stream_row(cap: Capability, num_tokens: int, hidden: int):
+    if not gluon_enabled():
+        return None
+    return next((r for r in _DECODE_STREAM_ROWS.get(cap.family, ())
+                 if hidden >= r[0] and r[1] <= num_tokens <= r[2]), None)
+
+
 # (max T, gate_up tile, expert-major down tile, why); with ``deterministic`` the down tile's per-route rows are
 # summed in slot order; the token-major and pointer-load rules above override the down tile.
 _H200_ROWS = (
@@ -328,11 +364,15 @@ def decode_tier_plan(cap: Capability, num_tokens: int, *, hidden: int, intermedi
         down_name = DECODE_POINTER_DOWN_TILE
     down = DECODE_DOWN_TILES[down_name]
     tma = tma_ok(hidden), tma_ok(intermediate)
-    gate_up = replace(gate_up, use_tma=gate_up.use_tma and tma[0])
+    stream = _stream_row(cap, num_tokens, hidden)
+    if stream is not None:
+        gate_up, tma = DECODE_STREAM_GATE_UP_TILES[stream[3]], (False, tma[1])
+    else:
+        gate_up = replace(gate_up, use_tma=gate_up.use_tma and tma[0])
     down = replace(down, use_tma=down.use_tma and tma[1])
+    variant = "/stream" if stream is not None else "/wide" if wide else ""
     return MoePlan(kernel=MoeKernel.W4A16, block_m=0, gate_up=gate_up, down=down, fast_decode=cap.cc is not None,
-                   impl=Impl.DECODE, tier=f"{cap.family}/decode/{i}/{kind}{'/wide' if wide else ''}", tma=tma,
-                   decode_down=kind)
+                   impl=Impl.DECODE, tier=f"{cap.family}/decode/{i}/{kind}{variant}", tma=tma, decode_down=kind)
 
 
 def fused_decode_plan(cap: Capability, gate_up: DecodeTile, down: DecodeTile, *, hidden: int, intermediate: int,

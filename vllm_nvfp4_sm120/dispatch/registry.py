@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import (fp4_routes, gluon_gemv, gluon_gemv_stream, gluon_moe_w4a4, gluon_moe_w4a16, moe_align,
-                       moe_decode, moe_decode_fused, moe_w4a4, moe_w4a16)
+from ..kernels import (fp4_routes, gluon_gemv, gluon_gemv_stream, gluon_moe_decode, gluon_moe_w4a4, gluon_moe_w4a16,
+                       moe_align, moe_decode, moe_decode_fused, moe_w4a4, moe_w4a16)
 from ..kernels.act_quant import prepare_act_quant, quantize_act_nvfp4
 from ..kernels.launch import StreamCounters
 from ..kernels.w4a4_gemm import prepare_w4a4_gemm, w4a4_gemm
@@ -258,12 +258,38 @@ def _decode_down(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, wor
                                             expert_map=expert_map, out=out)
 
 
+def _decode_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, *, tile, expert_map=None, activation="silu",
+                    zero=None, down_bank=None):
+    """The decode plan's gate_up kernel: the Triton one (a ``DecodeTile``) or the streaming Gluon one (a
+    ``MoeStreamTile``, which prefetches nothing: ``down_bank`` unused)."""
+    if isinstance(tile, gluon_moe_decode.MoeStreamTile):
+        return gluon_moe_decode.moe_stream_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, tile=tile,
+                                                   expert_map=expert_map, activation=activation, zero=zero)
+    return moe_decode.moe_decode_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, tile=tile,
+                                         expert_map=expert_map, activation=activation, zero=zero,
+                                         down_bank=down_bank)
+
+
+def _prepare_decode_gate_up(plan, r, zero_numel):
+    """The ready gate_up launch with the Triton launcher's call signature ``run(x, w13_codes, w13_sf, w13_dec,
+    topk_ids, emap, out, zero, w2_codes, w2_sf)``."""
+    dims = (r.t, r.h, r.i, r.e, r.top_k, r.global_e, r.device)
+    if not isinstance(plan.gate_up, gluon_moe_decode.MoeStreamTile):
+        return moe_decode.prepare_moe_decode_gate_up(*dims, tile=plan.gate_up, activation=r.activation,
+                                                     has_map=r.has_map, zero_numel=zero_numel)
+    run = gluon_moe_decode.prepare_moe_stream_gate_up(*dims, r.dtype, tile=plan.gate_up,
+                                                      ctas=plan.gate_up.ctas(r.device), activation=r.activation,
+                                                      has_map=r.has_map, zero_numel=zero_numel)
+    return lambda x, w13_codes, w13_sf, w13_dec, topk_ids, emap, out, zero, w2_codes, w2_sf: run(
+        x, w13_codes, w13_sf, w13_dec, topk_ids, emap, out, zero)
+
+
 MOE_KERNELS: dict[tuple[MoeKernel, Impl], tuple[Callable, Callable]] = {
     (MoeKernel.W4A16, Impl.TRITON): (moe_w4a16.moe_w4a16_gate_up, moe_w4a16.moe_w4a16_down),
     (MoeKernel.W4A4, Impl.TRITON): (moe_w4a4.moe_w4a4_gate_up, moe_w4a4.moe_w4a4_down),
     (MoeKernel.W4A16, Impl.GLUON): (gluon_moe_w4a16.gluon_moe_w4a16_gate_up, gluon_moe_w4a16.gluon_moe_w4a16_down),
     (MoeKernel.W4A4, Impl.GLUON): (gluon_moe_w4a4.gluon_moe_w4a4_gate_up, gluon_moe_w4a4.gluon_moe_w4a4_down),
-    (MoeKernel.W4A16, Impl.DECODE): (moe_decode.moe_decode_gate_up, _decode_down),
+    (MoeKernel.W4A16, Impl.DECODE): (_decode_gate_up, _decode_down),
 }
 
 
@@ -296,8 +322,7 @@ def prepare_moe_decode(plan, r: MoeReady):
     zeroed = by_expert and not r.deterministic  # atomic mode: the gate_up kernel zeroes the workspace
     dims = (r.t, r.h, r.i, r.e, r.top_k, r.global_e, r.device)
     numel = moe_decode.down_expert_workspace_numel(r.t, r.top_k, r.h, plan.down, r.deterministic) if by_expert else 0
-    gate_up = moe_decode.prepare_moe_decode_gate_up(*dims, tile=plan.gate_up, activation=r.activation,
-                                                    has_map=r.has_map, zero_numel=numel if zeroed else None)
+    gate_up = _prepare_decode_gate_up(plan, r, numel if zeroed else None)
     has_map, device = r.has_map, r.device
     u8 = torch.uint8
     if by_expert:

@@ -14,7 +14,8 @@ Work list and grid
     both in one program) and each row tile into 128-k blocks.  Every CTA finds the experts itself from the routing
     ids (a ``[S, S]`` compare: no host sync, no extra launch), so the list's length is a device value, but the grid
     is fixed (``ctas``, as many as fit on the GPU): CTA ``p`` takes blocks ``[p * total // ctas, (p + 1) * total //
-    ctas)`` of the list, the stream-K split of :mod:`.gluon_gemv_stream`.  A row tile shared by several CTAs is
+    ctas)`` of the list, the stream-K split of :mod:`.gluon_gemv_stream` (with ``ctas`` lowered to ``total`` where
+    the list is shorter than the grid).  A row tile shared by several CTAs is
     finished by the last to arrive, summing the fp32 partials in CTA order (bit-identical run to run).
 
 Tokens
@@ -112,8 +113,9 @@ def moe_stream_grid(routes: int, experts: int, i: int, h: int, tile: MoeStreamTi
 
 
 def route_block(routes: int) -> int:
-    """The routing vector's width (a power of two >= 16): one compile per bucket."""
-    return max(16, triton.next_power_of_2(routes))
+    """The routing vector's width, a power of two >= 32: a warp's lanes span the slot dimension of the kernel's
+    routing compares, so no lane holds a replica that a sum over slots would count twice."""
+    return max(32, triton.next_power_of_2(routes))
 
 
 # For the compile harness: argument types as the launcher passes them (bf16 activations).
@@ -225,8 +227,12 @@ if HAS_GLUON:
         part_offs = (gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O2))[:, None] * BLOCK_T
                      + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, O2))[None, :])
 
-        b_begin = pid * total // ctas
-        b_end = (pid + 1) * total // ctas
+        # The list can be shorter than the grid (a few experts of a narrow layer): then only the first `total` CTAs
+        # take a block each, so that every CTA between a tile's first and last holder contributes to it (the
+        # arrival count relies on that); the others find an empty range.
+        ctas = gl.maximum(gl.minimum(ctas, total), 1)
+        b_begin = gl.minimum(pid, ctas) * total // ctas
+        b_end = gl.minimum(pid + 1, ctas) * total // ctas
         first_tile = b_begin // NB
         b = b_begin
         while b < b_end:
@@ -397,6 +403,8 @@ def moe_stream_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, *, tile: Moe
         if zero is not None:
             zero.zero_()
         return out
+    if x.device.type != "cuda":
+        raise ValueError(f"x: the streaming gate_up runs on a CUDA GPU (Gluon has no interpreter), got {x.device}")
     run = prepare_moe_stream_gate_up(t, h, i, e, k, global_e, x.device, x.dtype, tile=tile, ctas=tile.ctas(x.device),
                                      activation=activation, has_map=has_map,
                                      zero_numel=None if zero is None else zero.numel(), decode=decode)
