@@ -255,29 +255,31 @@ DECODE_POINTER_DOWN_TILE = "exp-n64k256-w2-st2-shift"
 # / 223.4 / 402.8 us against the rows' tiles' 72.5 / 130.0 / 242.0 / 415.7 at T = 1 / 2 / 4 / 8; the layer side by
 # side 1.02-1.08x faster, run 45); at H = 4096 (Qwen3-235B-A22B) it won only T = 8 (176.5 against 186.9) and lost
 # 7-12 % at T = 1-4, at H = 2048 1-70 %, so it serves from this H, up to the largest T measured.  Both families (the
-# sm_90 measurement until an sm_120 run; the tile is compile-checked for sm_120).
+# sm_90 measurement until an sm_120 run; the tile is compile-checked for sm_120).  Where Gluon runs, the streaming
+# gate_up below takes these rows (1.10-1.15x this tile, H100 run 63).
 DECODE_WIDE_GATE_UP_MIN_H = 7168
 DECODE_WIDE_GATE_UP_MAX_T = 8
 DECODE_WIDE_GATE_UP_TILE = "gu-n32k128-w1-st3-shift"
 
 # The streaming Gluon gate_up (kernels/gluon_moe_decode.py: the linear streaming kernel's decode step, 25.8 SASS
 # instructions per code word on sm_90 against the Triton loop's 31.6, over a stream-K list of the touched experts' row
-# tiles; T <= its block_t).  Side by side with the rows' Triton tiles on an H100 (device run 63, CUDA graphs, weights
-# beyond L2; docs/benchmarks.md "The streaming gate_up"), it wins where the gate_up streams long K rows:
+# tiles; T <= its block_t).  Side by side with the rows' Triton tiles on an H100 (device runs 63 and 65, CUDA graphs,
+# weights beyond L2; docs/benchmarks.md "The streaming gate_up"), it wins where the gate_up streams long K rows:
 DECODE_STREAM_GATE_UP_TILES = {"gus-m32t8": MoeStreamTile(32, 8, ctas_per_sm=3)}
 # (min H, min T, max T, tile, why): the first row with H >= min H and min T <= T <= max T serves the gate_up (the
 # down and the rest of the plan as the rows below).  Gluon only (``VLLM_NVFP4_SM120_DISABLE_GLUON`` turns it off).
 _H100_STREAM_ROWS = (
     (7168, 1, 8, "gus-m32t8",
      "H100 run 63: DeepSeek-V3 gate_up 65.5 / 114.2 / 219.2 / 390.7 us at T = 1 / 2 / 4 / 8 against the best Triton "
-     "tile's 71.9 / 128.7 / 252.8 / 449.4 (1.10-1.15x); the layer 1.12-1.19x the table's; T = 3, 5-7 between "
-     "measured points"),
+     "tile's 71.9 / 128.7 / 252.8 / 449.4 (1.10-1.15x); run 65: the layer through the op 1.12-1.18x the old rows' "
+     "pair at T = 1, 2, 4, 6, 8"),
     (4096, 2, 8, "gus-m32t8",
      "H100 run 63: Qwen3-235B-A22B gate_up 56.3 / 98.2 / 166.9 us at T = 2 / 4 / 8 against 62.0 / 114.7 / 196.7 "
-     "(1.10-1.18x), the layer 1.14-1.16x; T = 1 a tie (34.7 against 34.7 us), so the Triton row keeps it"),
+     "(1.10-1.18x); run 65: the layer 1.14-1.18x at T = 2, 4, 6, 8; T = 1 a tie (55.4 against 55.1 us), so the "
+     "Triton row keeps it"),
     (2048, 8, 8, "gus-m32t8",
-     "H100 run 63: at H = 2048 the streaming tile wins only at T = 8 (Qwen3-30B-A3B 53.5 against 56.6 us, "
-     "Qwen3-Next-80B 51.3 against 55.1); at T = 1-4 its short K runs lose 4-30 %; T = 5-7 and H < 2048 "
+     "H100 runs 63 and 65: at H = 2048 the streaming tile wins at T = 8 (the layer 1.09x on Qwen3-30B-A3B, 1.11x on "
+     "Qwen3-Next-80B) and loses at T = 1-2 (1.08-1.17x); T = 4-6 were mixed between the two runs; H < 2048 "
      "unmeasured"),
 )
 _DECODE_STREAM_ROWS = {

@@ -113,8 +113,8 @@ def moe_stream_grid(routes: int, experts: int, i: int, h: int, tile: MoeStreamTi
 
 
 def route_block(routes: int) -> int:
-    """The routing vector's width, a power of two >= 32: a warp's lanes span the slot dimension of the kernel's
-    routing compares, so no lane holds a replica that a sum over slots would count twice."""
+    """The routing vector's width, a power of two >= 32 (one compile per bucket): the slot dimension of the
+    kernel's routing compares then covers a warp's 32 lanes without replicated lanes (the GPU tests ran this)."""
     return max(32, triton.next_power_of_2(routes))
 
 
