@@ -43,7 +43,12 @@ from vllm_nvfp4_sm120.kernels.moe_decode import (  # noqa: E402
     moe_decode_gate_up,
     tma_ok,
 )
-from vllm_nvfp4_sm120.kernels.gluon_moe_decode import MoeStreamTile, moe_stream_gate_up  # noqa: E402
+from vllm_nvfp4_sm120.kernels.gluon_moe_decode import (  # noqa: E402
+    MoeStreamTile,
+    down_workspace_numel,
+    moe_stream_down,
+    moe_stream_gate_up,
+)
 from vllm_nvfp4_sm120.kernels.moe_decode_fused import check_fused_tiles, fused_workspace, moe_decode_fused  # noqa: E402
 from vllm_nvfp4_sm120.bench import xor_words  # noqa: E402
 
@@ -265,6 +270,13 @@ for _name in ("gu-n16k256-kw4-st3-shift", "gu-n16k128-w2-st3", "gu-n32k128-w2-st
 # What a run sweeps without --gate-up / --down (about ten kernel tiles: each compiles once per routing bucket, and
 # the compiles are most of the ~4 minutes); the others are there for a focused second run.
 ANY_GATE_UP = GATE_UP | STREAM_GATE_UP  # after every GATE_UP entry above
+# The streaming Gluon down (the same kernel's down mode: routing weight and top-k sum by fp32 atomics into a
+# workspace the gate_up kernel zeroes, the last of a token's experts casting its row tile; T <= block_t only).
+STREAM_DOWN = {
+    "dns-m32t8": ("expert", False, MoeStreamTile(32, 8, ctas_per_sm=3)),
+    "dns-m16t8": ("expert", False, MoeStreamTile(16, 8, ctas_per_sm=4)),
+}
+ANY_DOWN = DOWN | STREAM_DOWN  # after every DOWN entry above
 DEFAULT_GATE_UP = ("gu-n16k256-w2-tma", "gu-n16k512-w2-tma", "gu-n8k256-w1-tma", "gu-n32k256-w4-tma",
                    "gu-n16k256-w4-fma")
 DEFAULT_DOWN = ("tok-n16k256-w1", "tok-n16k256-w1-pdl", "exp-n16k256-w1-tma", "exp-n16k256-w1-tma-pdl",
@@ -426,12 +438,12 @@ def sweep(args) -> dict:
     if args.gate_up == "all":
         gate_names = list(ANY_GATE_UP)
     if args.down == "all":
-        down_names = list(DOWN)
+        down_names = list(ANY_DOWN)
     pairs = [tuple(pair.split("+")) for pair in args.pairs.split(",")] if args.pairs else []
     for pair in pairs:
-        if len(pair) != 2 or pair[0] not in ANY_GATE_UP or pair[1] not in DOWN:
+        if len(pair) != 2 or pair[0] not in ANY_GATE_UP or pair[1] not in ANY_DOWN:
             raise SystemExit(f"--pairs: expected GATE_UP+DOWN names, got {'+'.join(pair)!r}")
-        if DOWN[pair[1]][0] == "fused":
+        if ANY_DOWN[pair[1]][0] == "fused":
             if pair[0] in STREAM_GATE_UP:
                 raise SystemExit(f"--pairs {'+'.join(pair)}: the fused kernel has no streaming gate_up")
             try:
@@ -457,8 +469,8 @@ def sweep(args) -> dict:
               f"{'one bank (warm)' if args.warm else f'{copies} bank copies'} "
               f"({len({id(b) for b in banks}) * e * expert_bytes / 1e9:.1f} GB)", flush=True)
         gates = {n: ANY_GATE_UP[n] for n in gate_names if candidate_ok(ANY_GATE_UP[n], h)}
-        downs = {n: DOWN[n] for n in down_names if candidate_ok(DOWN[n][2], i)}
-        layers = [p for p in pairs if candidate_ok(ANY_GATE_UP[p[0]], h) and candidate_ok(DOWN[p[1]][2], i)]
+        downs = {n: ANY_DOWN[n] for n in down_names if candidate_ok(ANY_DOWN[n][2], i)}
+        layers = [p for p in pairs if candidate_ok(ANY_GATE_UP[p[0]], h) and candidate_ok(ANY_DOWN[p[1]][2], i)]
         for t in [int(v) for v in args.tokens.split(",")]:
             rows.append(_point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_ref, NvFp4,
                                nvfp4_moe, layers, args.read_ceiling))
@@ -492,7 +504,7 @@ def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_re
 
     def layer(gname, dname, c, out=None):
         (c13, s13, d13), (c2, s2, d2) = banks[c]
-        kind, det, dtile = DOWN[dname]
+        kind, det, dtile = ANY_DOWN[dname]
         tw, ti = routes[c]
         if kind == "fused":
             if dname not in controls:
@@ -514,7 +526,7 @@ def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_re
         _read_ceiling(row, banks, routes, clock)
     out = torch.empty_like(x)
     for gname, dname in pairs:  # whole layers: what a programmatic dependent down kernel gains shows only here
-        if not candidate_ok(ANY_GATE_UP[gname], h, t):
+        if not candidate_ok(ANY_GATE_UP[gname], h, t) or not candidate_ok(ANY_DOWN[dname][2], i, t):
             continue
         name = f"{gname}+{dname}"
         if check(name, gname, dname):
@@ -522,7 +534,8 @@ def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_re
                 lambda: [layer(gname, dname, c, out) for c in range(copies)]) / copies * 1e6
     check_g = CHECK_GATE_UP if CHECK_GATE_UP in gates else next(
         (n for n, g in gates.items() if isinstance(g, DecodeTile)), CHECK_GATE_UP)
-    check_d = CHECK_DOWN if CHECK_DOWN in downs else next(iter(downs), CHECK_DOWN)
+    check_d = CHECK_DOWN if CHECK_DOWN in downs else next(
+        (n for n, d in downs.items() if isinstance(d[2], DecodeTile)), CHECK_DOWN)
     for gname, tile in gates.items():  # gate_up alone
         if not candidate_ok(tile, h, t):
             continue
@@ -535,18 +548,21 @@ def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_re
     inters = ([moe_decode_gate_up(x, *banks[c][0], routes[c][1], tile=GATE_UP[check_g], down_bank=banks[c][1])
                for c in range(copies)] if downs else [])
     for dname, (kind, det, dtile) in downs.items():  # down alone
-        if not check(dname, check_g, dname):
+        if not candidate_ok(dtile, i, t) or not check(dname, check_g, dname):
             continue
         out = torch.empty_like(x)
         # Atomic mode alone: the workspace is not re-zeroed between replays (in the layer the gate_up kernel does
         # it), so the tile counts overshoot and the final casts are skipped: a few KB less traffic.
-        wss = [down_expert_workspace(t, k, h, dtile, det, device).zero_() for _ in range(copies)]
+        wss = [(torch.zeros(down_workspace_numel(t, h, dtile), device=device) if isinstance(dtile, MoeStreamTile)
+                else down_expert_workspace(t, k, h, dtile, det, device).zero_()) for _ in range(copies)]
 
         def down_calls(kind=kind, det=det, dtile=dtile, wss=wss, out=out):
             for c in range(copies):
                 _, (c2, s2, d2) = banks[c]
                 tw, ti = routes[c]
-                if kind == "token":
+                if isinstance(dtile, MoeStreamTile):
+                    moe_stream_down(inters[c], c2, s2, d2, ti, tw, wss[c], tile=dtile, out=out)
+                elif kind == "token":
                     moe_decode_down_token(inters[c], c2, s2, d2, ti, tw, tile=dtile, out=out)
                 else:
                     moe_decode_down_expert(inters[c], c2, s2, d2, ti, tw, wss[c], tile=dtile, deterministic=det,
@@ -640,7 +656,7 @@ def main(argv=None):
     if args.list:
         for n, tile in ANY_GATE_UP.items():
             print("gate_up", n, tile)
-        for n, (kind, det, tile) in DOWN.items():
+        for n, (kind, det, tile) in ANY_DOWN.items():
             print("down", n, kind, "deterministic" if det else "", tile)
         return
     result = sweep(args)

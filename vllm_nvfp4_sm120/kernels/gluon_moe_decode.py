@@ -97,19 +97,27 @@ class MoeStreamGrid:
         return self.ctas * self.slots_per_cta * tile.block_m * tile.block_t
 
 
-def moe_stream_grid(routes: int, experts: int, i: int, h: int, tile: MoeStreamTile, ctas: int) -> MoeStreamGrid:
-    """``ctas`` clamped to at least one; slots sized for the longest range the largest list gives (a shorter list
-    gives shorter ranges, which touch no more row tiles)."""
-    tiles_e = triton.cdiv(i, tile.columns)
-    nb = triton.cdiv(h, K_BLOCK)
+def moe_stream_grid(routes: int, experts: int, n: int, k: int, tile: MoeStreamTile, ctas: int, *,
+                    down: bool = False) -> MoeStreamGrid:
+    """The gate_up's (``n = I`` columns, ``k = H``) or the down's (``down``: ``n = H`` rows, ``k = I``) largest list;
+    ``ctas`` clamped to at least one; slots sized for the longest range the largest list gives (a shorter list gives
+    shorter ranges, which touch no more row tiles)."""
+    tiles_e = triton.cdiv(n, tile.block_m if down else tile.columns)
+    nb = triton.cdiv(k, K_BLOCK)
     max_experts = max(1, min(routes, experts))
     total = max_experts * tiles_e * nb
     ctas = max(1, int(ctas))
     if total * ctas >= 2**31:
-        raise ValueError(f"gate_up stream: {total} blocks x {ctas} CTAs overflows the kernel's 32-bit range arithmetic")
+        raise ValueError(f"moe stream: {total} blocks x {ctas} CTAs overflows the kernel's 32-bit range arithmetic")
     longest = triton.cdiv(total, ctas)
     slots = triton.cdiv(max(longest - 1, 0), nb) + 1
     return MoeStreamGrid(tiles_e, nb, max_experts, ctas, slots)
+
+
+def down_workspace_numel(t: int, h: int, tile: MoeStreamTile) -> int:
+    """fp32 elements of the streaming down's workspace: the ``[T, H]`` fp32 sums, then one int32 count per token and
+    row tile (zero it before the call, e.g. by the gate_up kernel's ``zero``)."""
+    return t * h + t * triton.cdiv(h, tile.block_m)
 
 
 def route_block(routes: int) -> int:
@@ -118,20 +126,22 @@ def route_block(routes: int) -> int:
     return max(32, triton.next_power_of_2(routes))
 
 
-# For the compile harness: argument types as the launcher passes them (bf16 activations).
+# For the compile harness: argument types as the launchers pass them (bf16 activations).
 MOE_STREAM_SIGNATURE = {
     "x_ptr": "*bf16", "w_ptr": "*i32", "ws_ptr": "*u8", "wdec_ptr": "*fp32", "ids_ptr": "*i32", "map_ptr": "*i32",
-    "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "zero_ptr": "*fp32",
+    "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "zero_ptr": "*fp32", "tw_ptr": "*fp32",
+    "acc_ptr": "*fp32", "tcnt_ptr": "*i32",
     "stride_xt": "i32", "stride_we": "i32", "stride_ww": "i32", "stride_wse": "i32", "stride_wsn": "i32",
-    "stride_om": "i32", "S": "i32", "I": "i32", "K": "i32", "E": "i32", "GLOBAL_E": "i32", "top_k": "i32",
+    "stride_om": "i32", "S": "i32", "N": "i32", "K": "i32", "E": "i32", "GLOBAL_E": "i32", "top_k": "i32",
     "tiles_e": "i32", "slots_per_cta": "i32", "zero_numel": "i32", "zero_chunk": "i32",
-    "ACTIVATION": "constexpr", "HAS_MAP": "constexpr", "ZERO": "constexpr", "S_BLOCK": "constexpr",
-    "DECODE": "constexpr", "EVEN_K": "constexpr", "BLOCK_M": "constexpr", "BLOCK_T": "constexpr",
-    "WARPS": "constexpr", "ROW_WARPS": "constexpr",
+    "DOWN": "constexpr", "ACTIVATION": "constexpr", "HAS_MAP": "constexpr", "ZERO": "constexpr",
+    "S_BLOCK": "constexpr", "DECODE": "constexpr", "EVEN_K": "constexpr", "BLOCK_M": "constexpr",
+    "BLOCK_T": "constexpr", "WARPS": "constexpr", "ROW_WARPS": "constexpr",
 }
 MOE_STREAM_DIVISIBLE = [k for k, v in MOE_STREAM_SIGNATURE.items() if v.startswith("*")] + [
-    "I", "K", "stride_xt", "stride_we", "stride_ww", "stride_wse", "stride_wsn", "stride_om",
+    "N", "K", "stride_xt", "stride_we", "stride_ww", "stride_wse", "stride_wsn", "stride_om",
 ]
+
 
 if HAS_GLUON:
 
@@ -155,14 +165,17 @@ if HAS_GLUON:
         return g * up
 
     @gluon.jit
-    def _moe_stream_gate_up_kernel(
-        x_ptr, w_ptr, ws_ptr, wdec_ptr, ids_ptr, map_ptr, out_ptr, part_ptr, cnt_ptr, zero_ptr,
-        stride_xt, stride_we, stride_ww, stride_wse, stride_wsn, stride_om,
-        S, I, K, E, GLOBAL_E, top_k, tiles_e, slots_per_cta, zero_numel, zero_chunk,
-        ACTIVATION: gl.constexpr, HAS_MAP: gl.constexpr, ZERO: gl.constexpr, S_BLOCK: gl.constexpr,
-        DECODE: gl.constexpr, EVEN_K: gl.constexpr,
+    def _moe_stream_kernel(
+        x_ptr, w_ptr, ws_ptr, wdec_ptr, ids_ptr, map_ptr, out_ptr, part_ptr, cnt_ptr, zero_ptr, tw_ptr, acc_ptr,
+        tcnt_ptr, stride_xt, stride_we, stride_ww, stride_wse, stride_wsn, stride_om,
+        S, N, K, E, GLOBAL_E, top_k, tiles_e, slots_per_cta, zero_numel, zero_chunk,
+        DOWN: gl.constexpr, ACTIVATION: gl.constexpr, HAS_MAP: gl.constexpr, ZERO: gl.constexpr,
+        S_BLOCK: gl.constexpr, DECODE: gl.constexpr, EVEN_K: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr, WARPS: gl.constexpr, ROW_WARPS: gl.constexpr,
     ):
+        # gate_up (DOWN false): N = I columns, a row tile = HALF gate rows + the same columns' up rows of w13[e],
+        # activations x[token]; down: N = H rows of w2[e], activations inter[route], the routing weight and the
+        # top-k sum in the epilogue (fp32 atomics into acc, a count per token and row tile in tcnt).
         BMW: gl.constexpr = BLOCK_M // ROW_WARPS
         KW: gl.constexpr = WARPS // ROW_WARPS
         HALF: gl.constexpr = BLOCK_M // 2
@@ -181,12 +194,12 @@ if HAS_GLUON:
         Y3: gl.constexpr = gl.BlockedLayout([1, 1, 2], [16, 2, 1], [1, WARPS, 1], [2, 0, 1])
         # the routing: [slot a, slot b] compares, and [column n, slot] for the routes of an expert
         R2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [WARPS, 1], [1, 0])
+        ZL: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])
         NB = gl.cdiv(K, 128)
 
         pid = gl.program_id(0)
         ctas = gl.num_programs(0)
         if ZERO:  # the atomic down kernel's accumulator, one slice per CTA, before anything else
-            ZL: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])
             start = pid * zero_chunk
             for z0 in range(0, zero_chunk, 4 * 32 * WARPS):
                 zo = z0 + gl.arange(0, 4 * 32 * WARPS, layout=ZL)
@@ -211,6 +224,14 @@ if HAS_GLUON:
         n_e = gl.sum(first_a.to(gl.int32), axis=0)
         total = n_e * tiles_e * NB
 
+        if DOWN:  # a token none of whose slots has a local expert gets no tile: zeros, token t from CTA t
+            for t in range(pid, S // top_k, ctas):
+                if gl.sum(((offs_b // top_k == t) & (ids_b >= 0)).to(gl.int32), axis=0) == 0:
+                    for h0 in range(0, N, 4 * 32 * WARPS):
+                        ho = h0 + gl.arange(0, 4 * 32 * WARPS, layout=ZL)
+                        gl.store(out_ptr + t.to(gl.int64) * stride_om + ho,
+                                 gl.zeros([4 * 32 * WARPS], out_ptr.dtype.element_ty, ZL), mask=ho < N)
+
         # ---- per-lane offsets (as in the streaming kernel)
         w_c = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, CL)))[:, None, None]
         m_c = gl.arange(0, BMW, layout=gl.SliceLayout(0, gl.SliceLayout(2, CL)))[None, :, None]
@@ -222,7 +243,6 @@ if HAS_GLUON:
         k_x = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))[None, None, :]
         row_c = (w_c % ROW_WARPS) * BMW + m_c
         row_s = (w_s % ROW_WARPS) * BMW + m_s
-        cols_y = gl.arange(0, HALF, layout=gl.SliceLayout(1, gl.SliceLayout(2, Y3)))
         n_r = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, R2))
         part_offs = (gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O2))[:, None] * BLOCK_T
                      + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, O2))[None, :])
@@ -242,23 +262,28 @@ if HAS_GLUON:
             kb_last = run_end - tile * NB - 1
             last = gl.cdiv(run_end - b, KW) - 1
             q = tile // tiles_e
-            col0 = (tile - q * tiles_e) * HALF
+            j = tile - q * tiles_e
 
             # The expert of rank q and its routes (column n: its n-th route in slot order).
             e = gl.max(gl.where(nth_b == q + 1, ids_b, -1), axis=0)
             match = ids_b == e
             count = gl.sum(match.to(gl.int32), axis=0)
             # Column n: the expert's route with n earlier routes to it; columns past its routes read the first
-            # route's token (an L1 hit) and store nothing.
+            # route's activations (an L1 hit) and store nothing.
             route = gl.max(gl.where(match[None, :] & (before_b[None, :] == n_r[:, None]), offs_b[None, :], -1), axis=1)
             route = gl.where(n_r < count, route, gl.max(gl.where(match & (before_b == 0), offs_b, -1), axis=0))
-            tok = route // top_k
-            tok_x = gl.convert_layout(tok, gl.SliceLayout(0, gl.SliceLayout(2, XL)))[None, :, None]
-            x_offs = tok_x * stride_xt + k_x
+            if DOWN:  # the intermediate row of the route
+                a_row = gl.convert_layout(route, gl.SliceLayout(0, gl.SliceLayout(2, XL)))[None, :, None]
+            else:  # the token's input row
+                a_row = gl.convert_layout(route // top_k, gl.SliceLayout(0, gl.SliceLayout(2, XL)))[None, :, None]
+            x_offs = a_row * stride_xt + k_x
 
-            # Rows: gate rows col0 .. col0 + HALF, then the up rows I + col0 ..; columns past I re-read column I - 1.
-            wrow_c = (row_c // HALF) * I + gl.minimum(col0 + row_c % HALF, I - 1)
-            wrow_s = (row_s // HALF) * I + gl.minimum(col0 + row_s % HALF, I - 1)
+            if DOWN:  # rows j * BLOCK_M ..; rows past N re-read row N - 1
+                wrow_c = gl.minimum(j * BLOCK_M + row_c, N - 1)
+                wrow_s = gl.minimum(j * BLOCK_M + row_s, N - 1)
+            else:  # gate rows j * HALF .., then the up rows I + j * HALF ..; columns past I re-read column I - 1
+                wrow_c = (row_c // HALF) * N + gl.minimum(j * HALF + row_c % HALF, N - 1)
+                wrow_s = (row_s // HALF) * N + gl.minimum(j * HALF + row_s % HALF, N - 1)
             w_base = w_ptr + e.to(gl.int64) * stride_we
             w_offs = wrow_c * stride_ww + k_c
             s_base = ws_ptr + e.to(gl.int64) * stride_wse
@@ -309,22 +334,75 @@ if HAS_GLUON:
                 dec = gl.load(wdec_ptr + e)
                 if DECODE == 2:  # DECODE_SHIFT: the power of two the scale pairs left out
                     dec = dec * _EPILOGUE_SHIFT
-                # [gate rows | up rows] x tokens -> (column, token, gate / up) with both halves in one thread
-                y3 = gl.convert_layout(y.reshape([2, HALF, BLOCK_T]).permute(1, 2, 0), Y3)
-                gate, up = gl.split(y3)
-                inter = gl.convert_layout(_gated(gate * dec, up * dec, ACTIVATION), gl.SliceLayout(2, Y3))
-                cols = col0 + cols_y
-                n_o = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, gl.SliceLayout(2, Y3)))
-                route_o = gl.convert_layout(route, gl.SliceLayout(0, gl.SliceLayout(2, Y3)))
-                out_ptrs = out_ptr + route_o[None, :].to(gl.int64) * stride_om + cols[:, None]
-                gl.store(out_ptrs, inter.to(out_ptr.dtype.element_ty),
-                         mask=(cols < I)[:, None] & (n_o < count)[None, :])
+                if DOWN:
+                    _down_epilogue(y * dec, route, count, ids_b, offs_b, j, out_ptr, tw_ptr, acc_ptr, tcnt_ptr,
+                                   stride_om, N, top_k, tiles_e, BLOCK_M, BLOCK_T, O2, R2)
+                else:
+                    _gate_up_epilogue(y * dec, route, count, j, out_ptr, stride_om, N, ACTIVATION, HALF, BLOCK_T,
+                                      Y3)
             b = run_end
+
+    @gluon.jit
+    def _gate_up_epilogue(y, route, count, j, out_ptr, stride_om, I, ACTIVATION: gl.constexpr, HALF: gl.constexpr,
+                          BLOCK_T: gl.constexpr, Y3: gl.constexpr):
+        """[gate rows | up rows] x routes -> ``act(gate) * up`` into the intermediate rows of the routes."""
+        # (column, route, gate / up) with both halves in one thread
+        y3 = gl.convert_layout(y.reshape([2, HALF, BLOCK_T]).permute(1, 2, 0), Y3)
+        gate, up = gl.split(y3)
+        inter = gl.convert_layout(_gated(gate, up, ACTIVATION), gl.SliceLayout(2, Y3))
+        cols = j * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, gl.SliceLayout(2, Y3)))
+        n_o = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, gl.SliceLayout(2, Y3)))
+        route_o = gl.convert_layout(route, gl.SliceLayout(0, gl.SliceLayout(2, Y3)))
+        out_ptrs = out_ptr + route_o[None, :].to(gl.int64) * stride_om + cols[:, None]
+        gl.store(out_ptrs, inter.to(out_ptr.dtype.element_ty), mask=(cols < I)[:, None] & (n_o < count)[None, :])
+
+    @gluon.jit
+    def _down_epilogue(y, route, count, ids_b, offs_b, j, out_ptr, tw_ptr, acc_ptr, tcnt_ptr, stride_om, H, top_k,
+                       tiles_h, BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr, O2: gl.constexpr,
+                       R2: gl.constexpr):
+        """Rows ``j * BLOCK_M ..`` of each route's product, times its routing weight, added (fp32 atomics) into its
+        token's sums; the add that completes a token's tile (the last of its local experts, counted per token and
+        row tile) casts the tile into the output.  The sums and counts are zeroed by the gate_up kernel."""
+        n_o = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, O2))
+        live = n_o < count
+        route_o = gl.convert_layout(route, gl.SliceLayout(0, O2))
+        tok = route_o // top_k
+        # local routes of each column's token (the count its tile waits for)
+        tok_r = gl.convert_layout(tok, gl.SliceLayout(1, R2))
+        n_local = gl.sum(((offs_b[None, :] // top_k == tok_r[:, None]) & (ids_b[None, :] >= 0)).to(gl.int32), axis=1)
+        n_local = gl.convert_layout(n_local, gl.SliceLayout(0, O2))
+        rows = j * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O2))
+        row_ok = rows < H
+        y = y * gl.load(tw_ptr + route_o, mask=live, other=0.0)[None, :]
+        mask = row_ok[:, None] & live[None, :]
+        sums = acc_ptr + tok[None, :].to(gl.int64) * H + rows[:, None]
+        gl.atomic_add(sums, y, mask=mask, sem="relaxed", scope="gpu")
+        gl.barrier()  # every thread's adds before the release of the count
+        arrived = gl.atomic_add(tcnt_ptr + tok * tiles_h + j, 1, mask=live, sem="acq_rel", scope="gpu")
+        last = live & (arrived == n_local - 1)
+        gl.barrier()
+        # .cg: the sums are in L2; this SM's L1 may hold a stale line
+        total = gl.load(sums, mask=row_ok[:, None] & last[None, :], other=0.0, cache_modifier=".cg")
+        gl.store(out_ptr + tok[None, :].to(gl.int64) * stride_om + rows[:, None], total.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & last[None, :])
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------------------------
+def _ready(grid: MoeStreamGrid, tile: MoeStreamTile, device, dtype, decode, **const):
+    from .launch import ReadyKernel, StreamCounters
+
+    decode = default_stream_decode(torch.device(device), dtype) if decode is None else decode
+    if decode not in DECODE_NAMES:
+        raise ValueError(f"decode: expected one of {sorted(DECODE_NAMES)}, got {decode}")
+    launch = ReadyKernel(
+        _moe_stream_kernel, (grid.ctas,), tiles_e=grid.tiles_e, slots_per_cta=grid.slots_per_cta, DECODE=decode,
+        BLOCK_M=tile.block_m, BLOCK_T=tile.block_t, WARPS=tile.num_warps, ROW_WARPS=tile.row_warps, **const,
+        **tile.launch_options)
+    return launch, StreamCounters(grid.counters_numel, device), grid.partials_numel(tile)
+
+
 def prepare_moe_stream_gate_up(t: int, h: int, i: int, e: int, top_k: int, global_e: int, device, dtype, *,
                                tile: MoeStreamTile, ctas: int, activation: str, has_map: bool,
                                zero_numel: int | None, decode: int | None = None):
@@ -332,37 +410,59 @@ def prepare_moe_stream_gate_up(t: int, h: int, i: int, e: int, top_k: int, globa
     for ``T = t <= tile.block_t``.  It checks nothing (:func:`moe_stream_gate_up` does); partial sums are a fresh
     buffer per call (every slot read is written first in the same launch), the arrival counters one zeroed tensor
     per CUDA stream that the kernel leaves zero."""
-    from .launch import ReadyKernel, StreamCounters
-
     if t > tile.block_t:
         raise ValueError(f"gate_up stream: T = {t} tokens exceed the tile's {tile.block_t} routes per expert")
-    decode = default_stream_decode(torch.device(device), dtype) if decode is None else decode
-    if decode not in DECODE_NAMES:
-        raise ValueError(f"decode: expected one of {sorted(DECODE_NAMES)}, got {decode}")
     s = t * top_k
     grid = moe_stream_grid(s, e, i, h, tile, ctas)
-    partials = grid.partials_numel(tile)
-    counters = StreamCounters(grid.counters_numel, device)
     has_zero = zero_numel is not None
-    zero_chunk = -(-zero_numel // grid.ctas) if has_zero else 0
-    launch = ReadyKernel(
-        _moe_stream_gate_up_kernel, (grid.ctas,), S=s, I=i, K=h, E=e, GLOBAL_E=global_e, top_k=top_k,
-        tiles_e=grid.tiles_e, slots_per_cta=grid.slots_per_cta, zero_numel=zero_numel if has_zero else 0,
-        zero_chunk=zero_chunk, ACTIVATION=activation, HAS_MAP=has_map, ZERO=has_zero, S_BLOCK=route_block(s),
-        DECODE=decode, EVEN_K=h % K_BLOCK == 0, BLOCK_M=tile.block_m, BLOCK_T=tile.block_t, WARPS=tile.num_warps,
-        ROW_WARPS=tile.row_warps, **tile.launch_options)
+    launch, counters, partials = _ready(
+        grid, tile, device, dtype, decode, S=s, N=i, K=h, E=e, GLOBAL_E=global_e, top_k=top_k,
+        zero_numel=zero_numel if has_zero else 0, zero_chunk=-(-zero_numel // grid.ctas) if has_zero else 0,
+        DOWN=False, ACTIVATION=activation, HAS_MAP=has_map, ZERO=has_zero, S_BLOCK=route_block(s),
+        EVEN_K=h % K_BLOCK == 0)
 
     def run(x, w13_codes, w13_sf, w13_dec, topk_ids, emap, out=None, zero=None):
         if out is None:
             out = torch.empty((s, i), dtype=x.dtype, device=x.device)
         part = torch.empty(max(partials, 1), dtype=torch.float32, device=x.device)
         launch(x, w13_codes.view(torch.int32), w13_sf, w13_dec, topk_ids, emap, out, part, counters.get(),
-               zero if has_zero else part, x.stride(0), w13_codes.stride(0) // 4, w13_codes.stride(1) // 4,
-               w13_sf.stride(0), w13_sf.stride(1), out.stride(0))
+               zero if has_zero else part, part, part, counters.get(), x.stride(0), w13_codes.stride(0) // 4,
+               w13_codes.stride(1) // 4, w13_sf.stride(0), w13_sf.stride(1), out.stride(0))
         return out
 
     run.counters = counters
     return run
+
+
+def prepare_moe_stream_down(t: int, h: int, i: int, e: int, top_k: int, global_e: int, device, dtype, *,
+                            tile: MoeStreamTile, ctas: int, has_map: bool, decode: int | None = None):
+    """A ready launch: ``run(inter, w2_codes, w2_sf_u8, w2_dec, topk_ids, emap, topk_weights, workspace, out) -> out
+    [T, H]`` for ``T = t <= tile.block_t``; ``workspace``: :func:`down_workspace_numel` fp32 elements, zero before
+    the call.  It checks nothing (:func:`moe_stream_down` does)."""
+    if t > tile.block_t:
+        raise ValueError(f"down stream: T = {t} tokens exceed the tile's {tile.block_t} routes per expert")
+    s = t * top_k
+    grid = moe_stream_grid(s, e, h, i, tile, ctas, down=True)
+    launch, counters, partials = _ready(
+        grid, tile, device, dtype, decode, S=s, N=h, K=i, E=e, GLOBAL_E=global_e, top_k=top_k, zero_numel=0,
+        zero_chunk=0, DOWN=True, ACTIVATION="silu", HAS_MAP=has_map, ZERO=False, S_BLOCK=route_block(s),
+        EVEN_K=i % K_BLOCK == 0)
+
+    def run(inter, w2_codes, w2_sf, w2_dec, topk_ids, emap, topk_weights, workspace, out):
+        part = torch.empty(max(partials, 1), dtype=torch.float32, device=inter.device)
+        cnt = counters.get()
+        launch(inter, w2_codes.view(torch.int32), w2_sf, w2_dec, topk_ids, emap, out, part, cnt, part,
+               topk_weights, workspace, workspace[t * h:].view(torch.int32), inter.stride(0),
+               w2_codes.stride(0) // 4, w2_codes.stride(1) // 4, w2_sf.stride(0), w2_sf.stride(1), out.stride(0))
+        return out
+
+    run.counters = counters
+    return run
+
+
+def _check_words(name: str, codes) -> None:
+    if codes.stride(1) % 4 or codes.stride(0) % 4:
+        raise ValueError(f"{name}: strides {list(codes.stride())} bytes must be multiples of 4 (read as words)")
 
 
 def moe_stream_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, *, tile: MoeStreamTile, expert_map=None,
@@ -382,8 +482,7 @@ def moe_stream_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, *, tile: Moe
     w_sf, e, two_i, _ = _check_bank("w13", w13_codes, w13_scales, w13_dec, None, h, x.device)
     if two_i % 32:
         raise ValueError(f"w13_codes: 2I = {two_i} rows must be gate and up halves with I % 16 == 0")
-    if w13_codes.stride(1) % 4 or w13_codes.stride(0) % 4:
-        raise ValueError(f"w13_codes: strides {list(w13_codes.stride())} bytes must be multiples of 4 (read as words)")
+    _check_words("w13_codes", w13_codes)
     i = two_i // 2
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
@@ -409,3 +508,37 @@ def moe_stream_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, *, tile: Moe
                                      activation=activation, has_map=has_map,
                                      zero_numel=None if zero is None else zero.numel(), decode=decode)
     return run(x, w13_codes, w_sf, w13_dec, topk_ids.reshape(-1), emap, out, zero)
+
+
+def moe_stream_down(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, workspace, *, tile: MoeStreamTile,
+                    expert_map=None, out=None, check_ids: bool = False, decode: int | None = None):
+    """:func:`.moe_decode.moe_decode_down_expert`'s atomic mode by the streaming Gluon kernel, for ``T <=
+    tile.block_t``: ``out [T, H] = sum over each token's local routes of topk_weight * (inter[route] @ w2[e]^T *
+    dec)``.  ``workspace``: :func:`down_workspace_numel` fp32 elements, zeroed (the gate_up launchers' ``zero``).
+    fp32 atomics: the sum order of a token's experts varies run to run (no deterministic mode)."""
+    from ..format.checks import ACT_DTYPES, check_tensor
+    from .moe_decode import _check_bank, _check_routing
+
+    require_gluon("moe_stream_down")
+    check_tensor("inter", inter, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
+    w_sf, e, h, i = _check_bank("w2", w2_codes, w2_scales, w2_dec, None, inter.shape[1], inter.device)
+    _check_words("w2_codes", w2_codes)
+    t, k, global_e, emap, has_map = _check_routing(topk_ids, topk_weights, expert_map, e, None, check_ids,
+                                                   inter.device)
+    check_tensor("inter", inter, shape=[t * k, i], device=inter.device)
+    if t > tile.block_t:
+        raise ValueError(f"topk_ids: T = {t} tokens exceed the tile's {tile.block_t} routes per expert "
+                         f"(the streaming down takes T <= block_t)")
+    if out is None:
+        out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
+    check_tensor("out", out, dtype=inter.dtype, shape=[t, h], last_dim_contiguous=True, device=inter.device)
+    check_tensor("workspace", workspace, dtype=torch.float32, shape=[down_workspace_numel(t, h, tile)],
+                 device=inter.device)
+    if t == 0:
+        return out
+    if inter.device.type != "cuda":
+        raise ValueError(f"inter: the streaming down runs on a CUDA GPU (Gluon has no interpreter), got {inter.device}")
+    run = prepare_moe_stream_down(t, h, i, e, k, global_e, inter.device, inter.dtype, tile=tile,
+                                  ctas=tile.ctas(inter.device), has_map=has_map, decode=decode)
+    return run(inter, w2_codes, w_sf, w2_dec, topk_ids, emap, topk_weights, workspace, out)
+

@@ -1395,26 +1395,38 @@ def moe_decode_down_expert(
 
 def moe_decode(
     x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, *,
-    gate_up_tile, down_tile: DecodeTile, down: str = "token", expert_map=None, activation: str = "silu",
+    gate_up_tile, down_tile, down: str = "token", expert_map=None, activation: str = "silu",
     deterministic: bool = False, out=None, check_ids: bool = False,
 ):
     """The whole decode MoE layer as the flow runs it: gate_up launcher → down launcher.
 
-    ``gate_up_tile``: a :class:`DecodeTile` (the Triton gate_up) or a ``gluon_moe_decode.MoeStreamTile`` (the
-    streaming Gluon gate_up, ``T <= block_t``).
+    ``gate_up_tile`` / ``down_tile``: a :class:`DecodeTile` (the Triton kernels) or a
+    ``gluon_moe_decode.MoeStreamTile`` (the streaming Gluon kernels, ``T <= block_t``; the down expert-major with
+    atomics only).
 
     ``down``: ``"token"`` (token-major, bit-identical run to run whatever ``deterministic`` says) or ``"expert"``
     (expert-major: fp32 atomics into a ``[T, H]`` buffer the gate_up kernel zeroes, or with ``deterministic``
     per-route rows summed in slot order).  Tiles explicit; buffers sized from shapes.
     """
+    import torch
+
     from ..format.checks import check_tensor
 
     if down not in ("token", "expert"):
         raise ValueError(f"down: expected 'token' or 'expert', got {down!r}")
     check_tensor("topk_ids", topk_ids, ndim=2)
     check_tensor("w2_codes", w2_codes, ndim=3)
+    stream_down = not isinstance(down_tile, DecodeTile)  # the streaming Gluon down (a MoeStreamTile)
+    if stream_down and (down != "expert" or deterministic):
+        raise ValueError("down_tile: the streaming down is expert-major with fp32 atomics (down='expert', not "
+                         "deterministic)")
     ws = None
-    if down == "expert":
+    if stream_down:
+        from .gluon_moe_decode import down_workspace_numel
+
+        ws = torch.empty(down_workspace_numel(x.shape[0], w2_codes.shape[1], down_tile), dtype=torch.float32,
+                         device=x.device)
+    elif down == "expert":
         ws = down_expert_workspace(x.shape[0], topk_ids.shape[1], w2_codes.shape[1], down_tile, deterministic,
                                    x.device)
     zero = ws if (ws is not None and not deterministic) else None
@@ -1427,6 +1439,11 @@ def moe_decode(
 
         inter = moe_stream_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, tile=gate_up_tile,
                                    expert_map=expert_map, activation=activation, zero=zero, check_ids=check_ids)
+    if stream_down:
+        from .gluon_moe_decode import moe_stream_down
+
+        return moe_stream_down(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, ws, tile=down_tile,
+                               expert_map=expert_map, out=out)
     if down == "token":
         return moe_decode_down_token(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, tile=down_tile,
                                      expert_map=expert_map, out=out)
