@@ -125,6 +125,10 @@ STREAM_GATE_UP = {
     "gus-m32t8": MoeStreamTile(32, 8, ctas_per_sm=3),
     "gus-m16t8": MoeStreamTile(16, 8, ctas_per_sm=4),
     "gus-m32t16": MoeStreamTile(32, 16, ctas_per_sm=2),
+    # Fewer warps over K (two instead of four): each warp streams twice the steps of a row tile's run, which is short
+    # where K is (H = 2048: 16 blocks of 128).  64 rows over two row warps 160 registers (3 CTAs), two-warp CTAs 164 (6).
+    "gus-m64t8-rw2": MoeStreamTile(64, 8, num_warps=4, row_warps=2, ctas_per_sm=3),
+    "gus-m32t8-w2": MoeStreamTile(32, 8, num_warps=2, ctas_per_sm=6),
 }
 DOWN = {  # name: (kernel, deterministic, tile)
     "tok-n16k256-w1": ("token", False, DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True)),
@@ -272,10 +276,13 @@ for _name in ("gu-n16k256-kw4-st3-shift", "gu-n16k128-w2-st3", "gu-n32k128-w2-st
 ANY_GATE_UP = GATE_UP | STREAM_GATE_UP  # after every GATE_UP entry above
 # The streaming Gluon down (the same kernel's down mode: routing weight and top-k sum by fp32 atomics into a
 # workspace the gate_up kernel zeroes, the last of a token's experts casting its row tile; T <= block_t only).
-# sm_90 registers with an expert map: 32 x 8 168, 16 x 8 148 (3 CTAs per SM either way).
+# sm_90 registers with an expert map: 32 x 8 168, 16 x 8 148 (3 CTAs per SM either way); two warps over K as in the
+# gate_up: 201 (2 CTAs of 4 warps, 5 of 2).
 STREAM_DOWN = {
     "dns-m32t8": ("expert", False, MoeStreamTile(32, 8, ctas_per_sm=3)),
     "dns-m16t8": ("expert", False, MoeStreamTile(16, 8, ctas_per_sm=3)),
+    "dns-m64t8-rw2": ("expert", False, MoeStreamTile(64, 8, num_warps=4, row_warps=2, ctas_per_sm=2)),
+    "dns-m32t8-w2": ("expert", False, MoeStreamTile(32, 8, num_warps=2, ctas_per_sm=5)),
 }
 ANY_DOWN = DOWN | STREAM_DOWN  # after every DOWN entry above
 DEFAULT_GATE_UP = ("gu-n16k256-w2-tma", "gu-n16k512-w2-tma", "gu-n8k256-w1-tma", "gu-n32k256-w4-tma",
