@@ -1,29 +1,36 @@
-"""Streaming MoE decode gate_up (Gluon, tensor cores): the streaming W4A16 kernel's decode loop over the routed experts.
+"""Streaming MoE decode GEMMs (Gluon, tensor cores): the streaming W4A16 kernel's decode loop over the routed experts.
 
-Same operands and result as :func:`.moe_decode.moe_decode_gate_up` (the intermediate ``[T * top_k, I]``, one row per
-route, ``act(gate * dec) * (up * dec)``; rows of routes without a local expert are left unwritten; an optional fp32
-buffer zeroed for the atomic down kernel), for calls of at most ``block_t`` tokens.  What differs is the loop: the
-Triton decode kernels decode a weight tile into one layout and hand it to ``tl.dot`` through another, while this
-kernel runs the step of :mod:`.gluon_gemv_stream` (each lane's 16-byte code load decoded straight into its MMA
-operand fragment, the k order relabelled on both operands), 23.7 SASS instructions per code word on sm_90 against
-the Triton gate_up loop's 31.6.
+One kernel, two modes, for calls of at most ``block_t`` tokens:
+
+* gate_up (:func:`moe_stream_gate_up`): the result of :func:`.moe_decode.moe_decode_gate_up` (the intermediate
+  ``[T * top_k, I]``, one row per route, ``act(gate * dec) * (up * dec)``; rows of routes without a local expert left
+  unwritten; an optional fp32 buffer zeroed for the atomic down kernel).
+* down (:func:`moe_stream_down`): the atomic mode of :func:`.moe_decode.moe_decode_down_expert` (each route's
+  product times its routing weight added by fp32 atomics into its token's sums, which the gate_up kernel zeroes; the
+  add that completes a token's row tile, counted per token and tile, casts it into ``out``; tokens without a local
+  expert get zeros).  The order of a token's experts in its sums varies run to run: no deterministic mode.
+
+What differs from the Triton decode kernels is the loop: they decode a weight tile into one layout and hand it to
+``tl.dot`` through another, while this kernel runs the step of :mod:`.gluon_gemv_stream` (each lane's 16-byte code
+load decoded straight into its MMA operand fragment, the k order relabelled on both operands): 25.8 SASS
+instructions per code word on sm_90 for the 32 x 8 tile against the Triton gate_up loop's 31.6.
 
 Work list and grid
-    The distinct local experts of the call, in the order of their first route slot, each split into row tiles of
-    ``BLOCK_M / 2`` intermediate columns (its gate rows, then the same columns' up rows: the gated activation needs
-    both in one program) and each row tile into 128-k blocks.  Every CTA finds the experts itself from the routing
-    ids (a ``[S, S]`` compare: no host sync, no extra launch), so the list's length is a device value, but the grid
-    is fixed (``ctas``, as many as fit on the GPU): CTA ``p`` takes blocks ``[p * total // ctas, (p + 1) * total //
-    ctas)`` of the list, the stream-K split of :mod:`.gluon_gemv_stream` (with ``ctas`` lowered to ``total`` where
-    the list is shorter than the grid).  A row tile shared by several CTAs is
-    finished by the last to arrive, summing the fp32 partials in CTA order (bit-identical run to run).
+    The distinct local experts of the call, in the order of their first route slot, each split into row tiles (gate_up:
+    ``BLOCK_M / 2`` intermediate columns, its gate rows then the same columns' up rows, since the gated activation
+    needs both in one program; down: ``BLOCK_M`` rows of H) and each row tile into 128-k blocks.  Every CTA finds the
+    experts itself from the routing ids (``[S, S]`` compares: no host sync, no extra launch), so the list's length is
+    a device value, but the grid is fixed (``ctas``, as many as fit on the GPU): CTA ``p`` takes blocks
+    ``[p * total // ctas, (p + 1) * total // ctas)`` of the list, the stream-K split of :mod:`.gluon_gemv_stream`
+    (with ``ctas`` lowered to ``total`` where the list is shorter than the grid).  A row tile shared by several CTAs
+    is finished by the last to arrive, summing the fp32 partials in CTA order (bit-identical run to run).
 
 Tokens
     Every route of an expert is one column of the MMA (``BLOCK_T`` = 8 or 16), so a call of ``T <= BLOCK_T`` tokens
-    reads each touched expert's bytes once; the launcher refuses larger calls (the MoE decode table sends them
+    reads each touched expert's bytes once; the launchers refuse larger calls (the MoE decode table sends them
     elsewhere).
 
-The precision contract is the streaming kernel's: products exact, fp32 sums, one rounding of the intermediate.
+The precision contract is the streaming kernel's: products exact, fp32 sums, one rounding of the output.
 """
 
 from __future__ import annotations
