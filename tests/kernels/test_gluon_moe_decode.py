@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 from moe_gpu_common import assert_moe_close
+from test_moe_decode import _problem as _decode_problem
 
-from vllm_nvfp4_sm120.format import GlobalScale, NvFp4, dequantize_nvfp4, moe_ref, random_nvfp4
+from vllm_nvfp4_sm120.format import GlobalScale, NvFp4, dequantize_nvfp4, moe_ref
 from vllm_nvfp4_sm120.kernels import gluon_moe_decode as gm
 from vllm_nvfp4_sm120.kernels.aot import compile_kernel
 from vllm_nvfp4_sm120.kernels.moe_decode import DecodeTile, moe_decode, moe_decode_gate_up
@@ -38,23 +39,11 @@ DOWN_TILE = DecodeTile(16, 128, 16, num_warps=1, num_stages=3, use_dot=True)
 
 
 def _problem(t, e, k, h, i, *, dtype=torch.bfloat16, with_map=False, device="cpu", seed=0, ids_dtype=torch.int32):
-    gen = torch.Generator().manual_seed(seed)
-    w13 = random_nvfp4((e, 2 * i, h), gen=gen)
-    w2 = random_nvfp4((e, h, i), gen=gen)
-    d13 = 0.01 + 0.01 * torch.rand(e, generator=gen)
-    d2 = 0.01 + 0.01 * torch.rand(e, generator=gen)
-    x = (torch.randn(t, h, generator=gen) * 2).to(dtype)
-    global_e = 2 * e if with_map else e
-    tw, ti = torch.softmax(torch.randn(t, global_e, generator=gen), -1).topk(k, dim=-1)
-    tw = (tw / tw.sum(-1, keepdim=True)).contiguous()
-    ti = ti.to(ids_dtype).contiguous()
-    emap = None
-    if with_map:
-        emap = torch.full((global_e,), -1, dtype=torch.int32)
-        emap[1::2] = torch.arange(e, dtype=torch.int32)
-    mv = lambda v: v.to(device) if v is not None else None  # noqa: E731
-    return (mv(x), NvFp4(mv(w13.codes), mv(w13.scales)), mv(d13), NvFp4(mv(w2.codes), mv(w2.scales)), mv(d2),
-            mv(tw), mv(ti), mv(emap))
+    """test_moe_decode's problem (all code bytes, softmax top-k routing, with a map every other global expert
+    local) on ``device``."""
+    moved = lambda v: v.to(device) if v is not None else None  # noqa: E731
+    return tuple(NvFp4(moved(v.codes), moved(v.scales)) if isinstance(v, NvFp4) else moved(v)
+                 for v in _decode_problem(t, e, k, h, i, dtype=dtype, with_map=with_map, ids_dtype=ids_dtype, seed=seed))
 
 
 # ------------------------------------------------------------------------------------------------------------

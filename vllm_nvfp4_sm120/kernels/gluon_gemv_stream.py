@@ -383,6 +383,73 @@ if HAS_GLUON:
                 gl.minimum(kb_x + offset, kb_last))
 
     @gluon.jit
+    def _run_product(w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0, kb_last, last, w_c, w_s, w_x, k_c, k_s,
+                     k_x, K, EVEN_K: gl.constexpr, DECODE: gl.constexpr, WARPS: gl.constexpr,
+                     ROW_WARPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr, MMA: gl.constexpr,
+                     W4: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, ACC_B: gl.constexpr,
+                     O2: gl.constexpr):
+        """One run: blocks ``kb0 .. kb_last`` of a row tile, ``last`` the index of its last step; returns the tile's
+        fp32 products ``[BLOCK_M, BLOCK_T]`` in ``O2``, summed over the K warps.
+
+        Step i: warp (kw, rw) takes block kb0 + i * KW + kw.  Only the run's last step can cover fewer than KW
+        blocks; there the surplus warps' blocks are clamped to the run's last block (an L1/L2 re-read, never a DRAM
+        byte outside the run) and their codes zeroed.  Prefetches past the run are clamped too."""
+        BMW: gl.constexpr = BLOCK_M // ROW_WARPS
+        KW: gl.constexpr = WARPS // ROW_WARPS
+        kb_w, kb_s, kb_x = kb0 + w_c // ROW_WARPS, kb0 + w_s // ROW_WARPS, kb0 + w_x // ROW_WARPS
+        acc = gl.zeros([WARPS, BMW, BLOCK_T], gl.float32, MMA)
+        words_a, sc_a, x_a = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs,
+                                        _step_blocks(kb_w, kb_s, kb_x, 0, kb_last),
+                                        k_c * 8, k_s * 16, k_x, K, EVEN_K)
+        for i in range(0, last - 1, 2):  # pairs of steps before the last: every warp has a block
+            words_b, sc_b, x_b = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs,
+                                            _step_blocks(kb_w, kb_s, kb_x, (i + 1) * KW, kb_last),
+                                            k_c * 8, k_s * 16, k_x, K, EVEN_K)
+            acc = _step_mma(words_a, sc_a, x_a, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
+            words_a, sc_a, x_a = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs,
+                                            _step_blocks(kb_w, kb_s, kb_x, (i + 2) * KW, kb_last),
+                                            k_c * 8, k_s * 16, k_x, K, EVEN_K)
+            acc = _step_mma(words_b, sc_b, x_b, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
+        # Buffer a now holds step `last` (last even) or step `last - 1` (last odd).
+        if last % 2 == 1:
+            words_b, sc_b, x_b = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs,
+                                            _step_blocks(kb_w, kb_s, kb_x, last * KW, kb_last),
+                                            k_c * 8, k_s * 16, k_x, K, EVEN_K)
+            acc = _step_mma(words_a, sc_a, x_a, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
+            words_a, sc_a, x_a = words_b, sc_b, x_b
+        words_a = gl.where(kb_w + last * KW <= kb_last, words_a, 0)
+        acc = _step_mma(words_a, sc_a, x_a, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
+        # [WARPS, BMW, T] -> [KW, BLOCK_M, T]: the sum over the K warps (through shared memory)
+        y = gl.sum(gl.convert_layout(acc, ACC_B).reshape([KW, BLOCK_M, BLOCK_T]), axis=0)
+        return gl.convert_layout(y, O2)
+
+    @gluon.jit
+    def _reduce_tile(y, tile, pid, group, ctas, total_blocks, NB, first_tile, slots_per_cta, part_ptr, part_offs,
+                     cnt, BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr, O2: gl.constexpr):
+        """``(done, y)``: whether this CTA finishes row tile ``tile`` and, if so, its whole sum.  The CTAs whose
+        ranges cover the tile are those holding its first and its last block; each but one-CTA tiles writes its
+        partial to its slot (CTA ``pid`` of ``group``: ``(group * ctas + pid) * slots_per_cta + (tile -
+        first_tile)``), raises ``cnt``, and the last to arrive adds all partials in CTA order and resets ``cnt``."""
+        p_first = ((tile * NB + 1) * ctas - 1) // total_blocks
+        p_last = ((tile + 1) * NB * ctas - 1) // total_blocks
+        done = p_first == p_last
+        if p_first != p_last:
+            slot = (group * ctas + pid) * slots_per_cta + (tile - first_tile)
+            gl.store(part_ptr + slot.to(gl.int64) * (BLOCK_M * BLOCK_T) + part_offs, y)
+            gl.barrier()  # every thread's partial is written before the release below
+            arrived = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            done = arrived == p_last - p_first
+            if done:  # the last contributor: add all partials in CTA order
+                y = gl.zeros([BLOCK_M, BLOCK_T], gl.float32, O2)
+                for p in range(p_first, p_last + 1):
+                    p_first_tile = p * total_blocks // ctas // NB
+                    p_slot = (group * ctas + p) * slots_per_cta + (tile - p_first_tile)
+                    y += gl.load(part_ptr + p_slot.to(gl.int64) * (BLOCK_M * BLOCK_T) + part_offs,
+                                 cache_modifier=".cg")
+                gl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+        return done, y
+
+    @gluon.jit
     def _stream_kernel(
         x_ptr, w_ptr, ws_ptr, wdec_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
         T, N, K, stride_xt, stride_ww, stride_wsn, stride_ot, total_blocks, slots_per_cta,
@@ -451,57 +518,13 @@ if HAS_GLUON:
             s_base = ws_ptr + row0.to(gl.int64) * stride_wsn
             s_offs = (gl.minimum(row0 + row_s, N - 1) - row0) * stride_wsn + k_s
 
-            # Step i: warp (kw, rw) takes block kb0 + i * KW + kw.  Only the run's last step can cover fewer than
-            # KW blocks; there the surplus warps' blocks are clamped to the run's last block (an L1/L2 re-read,
-            # never a DRAM byte outside the run) and their codes zeroed.  Prefetches past the run are clamped too.
-            kb_w, kb_s, kb_x = kb0 + w_c // ROW_WARPS, kb0 + w_s // ROW_WARPS, kb0 + w_x // ROW_WARPS
-            acc = gl.zeros([WARPS, BMW, BLOCK_T], gl.float32, MMA)
-            words_a, sc_a, x_a = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs,
-                                            _step_blocks(kb_w, kb_s, kb_x, 0, kb_last),
-                                            k_c * 8, k_s * 16, k_x, K, EVEN_K)
-            for i in range(0, last - 1, 2):  # pairs of steps before the last: every warp has a block
-                words_b, sc_b, x_b = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs,
-                                                _step_blocks(kb_w, kb_s, kb_x, (i + 1) * KW, kb_last),
-                                                k_c * 8, k_s * 16, k_x, K, EVEN_K)
-                acc = _step_mma(words_a, sc_a, x_a, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
-                words_a, sc_a, x_a = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs,
-                                                _step_blocks(kb_w, kb_s, kb_x, (i + 2) * KW, kb_last),
-                                                k_c * 8, k_s * 16, k_x, K, EVEN_K)
-                acc = _step_mma(words_b, sc_b, x_b, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
-            # Buffer a now holds step `last` (last even) or step `last - 1` (last odd).
-            if last % 2 == 1:
-                words_b, sc_b, x_b = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs,
-                                                _step_blocks(kb_w, kb_s, kb_x, last * KW, kb_last),
-                                                k_c * 8, k_s * 16, k_x, K, EVEN_K)
-                acc = _step_mma(words_a, sc_a, x_a, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
-                words_a, sc_a, x_a = words_b, sc_b, x_b
-            words_a = gl.where(kb_w + last * KW <= kb_last, words_a, 0)
-            acc = _step_mma(words_a, sc_a, x_a, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
-
-            # [WARPS, BMW, T] -> [KW, BLOCK_M, T]: the sum over the K warps (through shared memory)
-            y = gl.sum(gl.convert_layout(acc, ACC_B).reshape([KW, BLOCK_M, BLOCK_T]), axis=0)
-            y = gl.convert_layout(y, O2)
+            y = _run_product(w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0, kb_last, last, w_c, w_s, w_x,
+                             k_c, k_s, k_x, K, EVEN_K, DECODE, WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, MMA, W4, A_OP,
+                             B_OP, ACC_B, O2)
             rows = tile * BLOCK_M + rows_o
             row_ok = rows < N
-            # The CTAs whose ranges cover this row tile: those holding its first and its last block.
-            p_first = ((tile * NB + 1) * ctas - 1) // total_blocks
-            p_last = ((tile + 1) * NB * ctas - 1) // total_blocks
-            done = p_first == p_last
-            if p_first != p_last:
-                slot = (pid_t * ctas + pid) * slots_per_cta + (tile - first_tile)
-                gl.store(part_ptr + slot.to(gl.int64) * (BLOCK_M * BLOCK_T) + part_offs, y)
-                gl.barrier()  # every thread's partial is written before the release below
-                cnt = cnt_ptr + pid_t * tiles_m + tile
-                arrived = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-                done = arrived == p_last - p_first
-                if done:  # the last contributor: add all partials in CTA order
-                    y = gl.zeros([BLOCK_M, BLOCK_T], gl.float32, O2)
-                    for p in range(p_first, p_last + 1):
-                        p_first_tile = p * total_blocks // ctas // NB
-                        p_slot = (pid_t * ctas + p) * slots_per_cta + (tile - p_first_tile)
-                        y += gl.load(part_ptr + p_slot.to(gl.int64) * (BLOCK_M * BLOCK_T) + part_offs,
-                                     cache_modifier=".cg")
-                    gl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+            done, y = _reduce_tile(y, tile, pid, pid_t, ctas, total_blocks, NB, first_tile, slots_per_cta, part_ptr,
+                                   part_offs, cnt_ptr + pid_t * tiles_m + tile, BLOCK_M, BLOCK_T, O2)
             if done:
                 if DECODE == 2:
                     y = y * _EPILOGUE_SHIFT

@@ -46,7 +46,7 @@ from .gluon_gemv_stream import DECODE_NAMES, K_BLOCK, default_stream_decode
 
 if HAS_GLUON:
     from .gluon_compat import ampere  # noqa: F401 (the step's MMA)
-    from .gluon_gemv_stream import _EPILOGUE_SHIFT, _load_step, _step_blocks, _step_mma
+    from .gluon_gemv_stream import _EPILOGUE_SHIFT, _reduce_tile, _run_product
 
 
 @dataclass(frozen=True)
@@ -296,47 +296,11 @@ if HAS_GLUON:
             s_base = ws_ptr + e.to(gl.int64) * stride_wse
             s_offs = wrow_s * stride_wsn + k_s
 
-            kb_w, kb_s, kb_x = kb0 + w_c // ROW_WARPS, kb0 + w_s // ROW_WARPS, kb0 + w_x // ROW_WARPS
-            acc = gl.zeros([WARPS, BMW, BLOCK_T], gl.float32, MMA)
-            words_a, sc_a, x_a = _load_step(w_base, w_offs, s_base, s_offs, x_ptr, x_offs,
-                                            _step_blocks(kb_w, kb_s, kb_x, 0, kb_last),
-                                            k_c * 8, k_s * 16, k_x, K, EVEN_K)
-            for i in range(0, last - 1, 2):
-                words_b, sc_b, x_b = _load_step(w_base, w_offs, s_base, s_offs, x_ptr, x_offs,
-                                                _step_blocks(kb_w, kb_s, kb_x, (i + 1) * KW, kb_last),
-                                                k_c * 8, k_s * 16, k_x, K, EVEN_K)
-                acc = _step_mma(words_a, sc_a, x_a, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
-                words_a, sc_a, x_a = _load_step(w_base, w_offs, s_base, s_offs, x_ptr, x_offs,
-                                                _step_blocks(kb_w, kb_s, kb_x, (i + 2) * KW, kb_last),
-                                                k_c * 8, k_s * 16, k_x, K, EVEN_K)
-                acc = _step_mma(words_b, sc_b, x_b, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
-            if last % 2 == 1:
-                words_b, sc_b, x_b = _load_step(w_base, w_offs, s_base, s_offs, x_ptr, x_offs,
-                                                _step_blocks(kb_w, kb_s, kb_x, last * KW, kb_last),
-                                                k_c * 8, k_s * 16, k_x, K, EVEN_K)
-                acc = _step_mma(words_a, sc_a, x_a, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
-                words_a, sc_a, x_a = words_b, sc_b, x_b
-            words_a = gl.where(kb_w + last * KW <= kb_last, words_a, 0)
-            acc = _step_mma(words_a, sc_a, x_a, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
-
-            y = gl.sum(gl.convert_layout(acc, ACC_B).reshape([KW, BLOCK_M, BLOCK_T]), axis=0)
-            y = gl.convert_layout(y, O2)
-            p_first = ((tile * NB + 1) * ctas - 1) // total
-            p_last = ((tile + 1) * NB * ctas - 1) // total
-            done = p_first == p_last
-            if p_first != p_last:
-                slot = pid * slots_per_cta + (tile - first_tile)
-                gl.store(part_ptr + slot.to(gl.int64) * (BLOCK_M * BLOCK_T) + part_offs, y)
-                gl.barrier()  # every thread's partial is written before the release below
-                arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-                done = arrived == p_last - p_first
-                if done:  # the last contributor: add all partials in CTA order
-                    y = gl.zeros([BLOCK_M, BLOCK_T], gl.float32, O2)
-                    for p in range(p_first, p_last + 1):
-                        p_slot = p * slots_per_cta + (tile - p * total // ctas // NB)
-                        y += gl.load(part_ptr + p_slot.to(gl.int64) * (BLOCK_M * BLOCK_T) + part_offs,
-                                     cache_modifier=".cg")
-                    gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next call
+            y = _run_product(w_base, w_offs, s_base, s_offs, x_ptr, x_offs, kb0, kb_last, last, w_c, w_s, w_x,
+                             k_c, k_s, k_x, K, EVEN_K, DECODE, WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, MMA, W4, A_OP,
+                             B_OP, ACC_B, O2)
+            done, y = _reduce_tile(y, tile, pid, 0, ctas, total, NB, first_tile, slots_per_cta, part_ptr, part_offs,
+                                   cnt_ptr + tile, BLOCK_M, BLOCK_T, O2)
             if done:
                 dec = gl.load(wdec_ptr + e)
                 if DECODE == 2:  # DECODE_SHIFT: the power of two the scale pairs left out
@@ -523,22 +487,16 @@ def moe_stream_down(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, 
     tile.block_t``: ``out [T, H] = sum over each token's local routes of topk_weight * (inter[route] @ w2[e]^T *
     dec)``.  ``workspace``: :func:`down_workspace_numel` fp32 elements, zeroed (the gate_up launchers' ``zero``).
     fp32 atomics: the sum order of a token's experts varies run to run (no deterministic mode)."""
-    from ..format.checks import ACT_DTYPES, check_tensor
-    from .moe_decode import _check_bank, _check_routing
+    from ..format.checks import check_tensor
+    from .moe_decode import _check_down
 
     require_gluon("moe_stream_down")
-    check_tensor("inter", inter, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
-    w_sf, e, h, i = _check_bank("w2", w2_codes, w2_scales, w2_dec, None, inter.shape[1], inter.device)
+    w_sf, e, h, i, t, k, global_e, emap, has_map, out = _check_down(
+        inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expert_map, check_ids, out, None, "down_stream")
     _check_words("w2_codes", w2_codes)
-    t, k, global_e, emap, has_map = _check_routing(topk_ids, topk_weights, expert_map, e, None, check_ids,
-                                                   inter.device)
-    check_tensor("inter", inter, shape=[t * k, i], device=inter.device)
     if t > tile.block_t:
         raise ValueError(f"topk_ids: T = {t} tokens exceed the tile's {tile.block_t} routes per expert "
                          f"(the streaming down takes T <= block_t)")
-    if out is None:
-        out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
-    check_tensor("out", out, dtype=inter.dtype, shape=[t, h], last_dim_contiguous=True, device=inter.device)
     check_tensor("workspace", workspace, dtype=torch.float32, shape=[down_workspace_numel(t, h, tile)],
                  device=inter.device)
     if t == 0:

@@ -1321,8 +1321,9 @@ def _check_down_tile(tile: DecodeTile, kernel: str, deterministic: bool) -> None
 
 
 def _check_down(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expert_map, check_ids, out,
-                tile: DecodeTile, kernel: str, deterministic: bool = False):
-    """The down launchers' checks; allocates ``out [T, H]`` (``inter.dtype``) if not given."""
+                tile: DecodeTile | None, kernel: str, deterministic: bool = False):
+    """The down launchers' checks; allocates ``out [T, H]`` (``inter.dtype``) if not given.  ``tile``: a Triton
+    tile to check against ``kernel`` (None: the caller checks its own)."""
     import torch
 
     from ..format.checks import ACT_DTYPES, check_tensor
@@ -1335,8 +1336,9 @@ def _check_down(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expe
     if out is None:
         out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
     check_tensor("out", out, dtype=inter.dtype, shape=[t, h], last_dim_contiguous=True, device=inter.device)
-    tile.check_rows(tile.block_n, kernel)
-    _check_down_tile(tile, kernel, deterministic)
+    if tile is not None:
+        tile.check_rows(tile.block_n, kernel)
+        _check_down_tile(tile, kernel, deterministic)
     return w_sf, e, h, i, t, k, global_e, emap, has_map, out
 
 
