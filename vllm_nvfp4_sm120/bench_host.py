@@ -194,6 +194,7 @@ def bench_host() -> dict:
     from .dispatch.registry import LINEAR_KERNELS
     from .format.swizzle import swizzle_128x4
     from .kernels.launch import ReadyKernel
+    from .kernels.moe_decode import DecodeTile
 
     dev = torch.device("cuda")
     cap = capability_of(dev)
@@ -263,7 +264,7 @@ def bench_host() -> dict:
              lambda x=x, tw=tw, ti=ti, out=out, a=a: torch.ops.nvfp4_sm120.moe(
                  x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, a, a, None, "silu", False, out),
              note=f"{plan.kernel} {plan.impl} block_m={plan.block_m}")
-        if t == 1 and not w4a4 and plan.impl == "decode" and hasattr(plan.gate_up, "use_tma"):  # a Triton tile
+        if t == 1 and not w4a4 and plan.impl == "decode" and isinstance(plan.gate_up, DecodeTile):
             _decode_gate_up_rows(rows, plan, x, w13, d13, ti)
 
     print(f"# timing {len(rows._cands)} calls in {ROUNDS} interleaved rounds", flush=True)

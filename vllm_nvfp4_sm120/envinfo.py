@@ -26,6 +26,7 @@ from .dispatch.hw import NO_GPU, Capability, Family
 from .dispatch.linear import AUTO_BACKEND, backend_name
 from .dispatch.vendor import B12X_MIN_CUDA
 from .kernels.gluon_compat import ENV_DISABLE as GLUON_SWITCH
+from .kernels.gluon_moe_decode import MoeStreamTile
 
 PLUGIN_SWITCH = "VLLM_NVFP4_SM120"  # vllm/register.py ENV_SWITCH (that module imports vLLM, which `env` avoids)
 MOE_BACKEND = AUTO_BACKEND  # --moe-backend: our experts have one name
@@ -139,7 +140,7 @@ def moe_plan(capability: tuple[int, int] | None, *, w4a4: bool, hidden: int, int
         p = dispatch_moe.select_moe_plan(cap, num_tokens=t, top_k=top_k, global_experts=experts,
                                          hidden=hidden, intermediate=intermediate, w4a4=w4a4)
         m = dispatch_moe.tokens_per_expert(t, top_k, experts)
-        stream = not hasattr(p.gate_up, "use_tma")  # the streaming Gluon gate_up (a MoeStreamTile)
+        stream = isinstance(p.gate_up, MoeStreamTile)  # the streaming Gluon gate_up
         tma = "TMA " if (not stream and p.gate_up.use_tma) or p.down.use_tma else ""
         down = "gate_up and down in one launch" if p.decode_down == "fused" else f"{p.decode_down}-major down"
         kind = (f"{p.kernel} align-free decode ({down})" if p.impl == "decode" else f"{p.kernel} BLOCK_M {p.block_m}")

@@ -479,7 +479,7 @@ def test_decode_plan_kwargs_bind():
 
     from vllm_nvfp4_sm120.dispatch import moe as M
 
-    assert gate_up.__name__ == "_decode_gate_up" and p.gate_up == M.DECODE_STREAM_GATE_UP_TILES["gus-m32t8"]
+    assert gate_up.__name__ == "decode_gate_up" and p.gate_up == M.DECODE_STREAM_GATE_UP_TILES["gus-m32t8"]
     for tile in (p.gate_up, M.DECODE_GATE_UP_TILES["gu-n16k128-w2-st3"]):
         inspect.signature(gate_up).bind(None, None, None, None, None, expert_map=None, activation="silu", zero=None,
                                         down_bank=None, tile=tile)

@@ -258,18 +258,6 @@ def _decode_down(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, wor
                                             expert_map=expert_map, out=out)
 
 
-def _decode_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, *, tile, expert_map=None, activation="silu",
-                    zero=None, down_bank=None):
-    """The decode plan's gate_up kernel: the Triton one (a ``DecodeTile``) or the streaming Gluon one (a
-    ``MoeStreamTile``, which prefetches nothing: ``down_bank`` unused)."""
-    if isinstance(tile, gluon_moe_decode.MoeStreamTile):
-        return gluon_moe_decode.moe_stream_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, tile=tile,
-                                                   expert_map=expert_map, activation=activation, zero=zero)
-    return moe_decode.moe_decode_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, tile=tile,
-                                         expert_map=expert_map, activation=activation, zero=zero,
-                                         down_bank=down_bank)
-
-
 def _prepare_decode_gate_up(plan, r, zero_numel):
     """The ready gate_up launch with the Triton launcher's call signature ``run(x, w13_codes, w13_sf, w13_dec,
     topk_ids, emap, out, zero, w2_codes, w2_sf)``."""
@@ -289,7 +277,7 @@ MOE_KERNELS: dict[tuple[MoeKernel, Impl], tuple[Callable, Callable]] = {
     (MoeKernel.W4A4, Impl.TRITON): (moe_w4a4.moe_w4a4_gate_up, moe_w4a4.moe_w4a4_down),
     (MoeKernel.W4A16, Impl.GLUON): (gluon_moe_w4a16.gluon_moe_w4a16_gate_up, gluon_moe_w4a16.gluon_moe_w4a16_down),
     (MoeKernel.W4A4, Impl.GLUON): (gluon_moe_w4a4.gluon_moe_w4a4_gate_up, gluon_moe_w4a4.gluon_moe_w4a4_down),
-    (MoeKernel.W4A16, Impl.DECODE): (_decode_gate_up, _decode_down),
+    (MoeKernel.W4A16, Impl.DECODE): (moe_decode.decode_gate_up, _decode_down),
 }
 
 

@@ -1395,6 +1395,20 @@ def moe_decode_down_expert(
     return run(inter, w2_codes, w_sf, w2_dec, topk_ids, emap, topk_weights, workspace, out)
 
 
+def decode_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, *, tile, expert_map=None, activation: str = "silu",
+                   zero=None, check_ids: bool = False, down_bank=None):
+    """The decode gate_up of ``tile``'s kernel: :func:`moe_decode_gate_up` for a :class:`DecodeTile`, the streaming
+    Gluon one (``gluon_moe_decode.moe_stream_gate_up``, which prefetches nothing: ``down_bank`` unused) for a
+    ``MoeStreamTile``."""
+    if isinstance(tile, DecodeTile):
+        return moe_decode_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, tile=tile, expert_map=expert_map,
+                                  activation=activation, zero=zero, check_ids=check_ids, down_bank=down_bank)
+    from .gluon_moe_decode import moe_stream_gate_up
+
+    return moe_stream_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, tile=tile, expert_map=expert_map,
+                              activation=activation, zero=zero, check_ids=check_ids)
+
+
 def moe_decode(
     x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, *,
     gate_up_tile, down_tile, down: str = "token", expert_map=None, activation: str = "silu",
@@ -1431,16 +1445,9 @@ def moe_decode(
     elif down == "expert":
         ws = down_expert_workspace(x.shape[0], topk_ids.shape[1], w2_codes.shape[1], down_tile, deterministic,
                                    x.device)
-    zero = ws if (ws is not None and not deterministic) else None
-    if isinstance(gate_up_tile, DecodeTile):
-        inter = moe_decode_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, tile=gate_up_tile,
-                                   expert_map=expert_map, activation=activation, zero=zero, check_ids=check_ids,
-                                   down_bank=(w2_codes, w2_scales, w2_dec))
-    else:  # the streaming Gluon gate_up (a MoeStreamTile)
-        from .gluon_moe_decode import moe_stream_gate_up
-
-        inter = moe_stream_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, tile=gate_up_tile,
-                                   expert_map=expert_map, activation=activation, zero=zero, check_ids=check_ids)
+    inter = decode_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, tile=gate_up_tile, expert_map=expert_map,
+                           activation=activation, zero=ws if (ws is not None and not deterministic) else None,
+                           check_ids=check_ids, down_bank=(w2_codes, w2_scales, w2_dec))
     if stream_down:
         from .gluon_moe_decode import moe_stream_down
 
