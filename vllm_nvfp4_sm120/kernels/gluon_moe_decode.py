@@ -45,14 +45,14 @@ from .gluon_compat import HAS_GLUON, gl, gluon, require_gluon
 from .gluon_gemv_stream import DECODE_NAMES, K_BLOCK, default_stream_decode
 
 if HAS_GLUON:
-    from .gluon_compat import ampere  # noqa: F401 (the step's MMA)
     from .gluon_gemv_stream import _EPILOGUE_SHIFT, _reduce_tile, _run_product
 
 
 @dataclass(frozen=True)
 class MoeStreamTile:
-    """``block_m`` weight rows per row tile (``block_m / 2`` gate rows and the same columns' up rows), ``block_t``
-    routes per expert at most (the MMA's N: 8 or 16), warps as in :class:`.gluon_gemv_stream.StreamTile`;
+    """``block_m`` weight rows per row tile (gate_up: ``block_m / 2`` gate rows and the same columns' up rows; down:
+    ``block_m`` rows of H), ``block_t`` routes per expert at most (the MMA's N: 8 or 16), warps as in
+    :class:`.gluon_gemv_stream.StreamTile`;
     ``ctas_per_sm``: the fixed grid is that many CTAs per SM of the GPU (as many as its registers let one SM hold,
     so the whole grid runs at once)."""
 
