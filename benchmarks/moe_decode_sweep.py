@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vllm_nvfp4_sm120.kernels.moe_decode import (  # noqa: E402
     DecodeTile,
+    decode_gate_up,
     down_expert_workspace,
     moe_decode,
     moe_decode_down_expert,
@@ -43,12 +44,7 @@ from vllm_nvfp4_sm120.kernels.moe_decode import (  # noqa: E402
     moe_decode_gate_up,
     tma_ok,
 )
-from vllm_nvfp4_sm120.kernels.gluon_moe_decode import (  # noqa: E402
-    MoeStreamTile,
-    down_workspace_numel,
-    moe_stream_down,
-    moe_stream_gate_up,
-)
+from vllm_nvfp4_sm120.kernels.gluon_moe_decode import MoeStreamTile, down_workspace_numel, moe_stream_down  # noqa: E402
 from vllm_nvfp4_sm120.kernels.moe_decode_fused import check_fused_tiles, fused_workspace, moe_decode_fused  # noqa: E402
 from vllm_nvfp4_sm120.bench import xor_words  # noqa: E402
 
@@ -271,8 +267,6 @@ FUSED_PAIRS = {
 # every shape at T = 1-16 (docs/benchmarks.md); kept for an sm_120 run.
 for _name in ("gu-n16k256-kw4-st3-shift", "gu-n16k128-w2-st3", "gu-n32k128-w2-st3-shift", "gu-n32k128-w1-st3-shift"):
     GATE_UP[_name + "-pfd"] = replace(GATE_UP[_name], prefetch_down=True)
-# What a run sweeps without --gate-up / --down (about ten kernel tiles: each compiles once per routing bucket, and
-# the compiles are most of the ~4 minutes); the others are there for a focused second run.
 ANY_GATE_UP = GATE_UP | STREAM_GATE_UP  # after every GATE_UP entry above
 # The streaming Gluon down (the same kernel's down mode: routing weight and top-k sum by fp32 atomics into a
 # workspace the gate_up kernel zeroes, the last of a token's experts casting its row tile; T <= block_t only).
@@ -285,6 +279,8 @@ STREAM_DOWN = {
     "dns-m32t8-w2": ("expert", False, MoeStreamTile(32, 8, num_warps=2, ctas_per_sm=5)),
 }
 ANY_DOWN = DOWN | STREAM_DOWN  # after every DOWN entry above
+# What a run sweeps without --gate-up / --down (about ten kernel tiles: each compiles once per routing bucket, and
+# the compiles are most of the ~4 minutes); the others are there for a focused second run.
 DEFAULT_GATE_UP = ("gu-n16k256-w2-tma", "gu-n16k512-w2-tma", "gu-n8k256-w1-tma", "gu-n32k256-w4-tma",
                    "gu-n16k256-w4-fma")
 DEFAULT_DOWN = ("tok-n16k256-w1", "tok-n16k256-w1-pdl", "exp-n16k256-w1-tma", "exp-n16k256-w1-tma-pdl",
@@ -300,13 +296,6 @@ def candidate_ok(tile, k: int, t: int | None = None) -> bool:
     if isinstance(tile, MoeStreamTile):
         return t is None or t <= tile.block_t
     return not tile.use_tma or tma_ok(k)
-
-
-def gate_up(x, bank13, ids, tile, down_bank=None, zero=None):
-    """The gate_up candidate ``tile``: the Triton launcher or the streaming Gluon one."""
-    if isinstance(tile, MoeStreamTile):
-        return moe_stream_gate_up(x, *bank13, ids, tile=tile, zero=zero)
-    return moe_decode_gate_up(x, *bank13, ids, tile=tile, down_bank=down_bank, zero=zero)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -550,7 +539,7 @@ def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_re
         if check(gname, gname, check_d):
             def gate_calls(tile=tile):
                 for c in range(copies):
-                    gate_up(x, banks[c][0], routes[c][1], tile, down_bank=banks[c][1])
+                    decode_gate_up(x, *banks[c][0], routes[c][1], tile=tile, down_bank=banks[c][1])
 
             row["gate_up_us"][gname] = clock.seconds(gate_calls) / copies * 1e6
     inters = ([moe_decode_gate_up(x, *banks[c][0], routes[c][1], tile=GATE_UP[check_g], down_bank=banks[c][1])
