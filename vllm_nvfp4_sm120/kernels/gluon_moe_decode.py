@@ -445,7 +445,7 @@ def moe_stream_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, *, tile: Moe
     CTAs first."""
     from ..format.checks import ACT_DTYPES, check_tensor
     from ..format.reference import ACTIVATIONS
-    from .moe_decode import _check_bank, _check_routing
+    from .moe_decode_checks import _check_bank, _check_routing
 
     require_gluon("moe_stream_gate_up")
     check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
@@ -488,11 +488,11 @@ def moe_stream_down(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, 
     dec)``.  ``workspace``: :func:`down_workspace_numel` fp32 elements, zeroed (the gate_up launchers' ``zero``).
     fp32 atomics: the sum order of a token's experts varies run to run (no deterministic mode)."""
     from ..format.checks import check_tensor
-    from .moe_decode import _check_down
+    from .moe_decode_checks import check_down_inputs
 
     require_gluon("moe_stream_down")
-    w_sf, e, h, i, t, k, global_e, emap, has_map, out = _check_down(
-        inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expert_map, check_ids, out, None, "down_stream")
+    w_sf, e, h, i, t, k, global_e, emap, has_map, out = check_down_inputs(
+        inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expert_map, check_ids, out)
     _check_words("w2_codes", w2_codes)
     if t > tile.block_t:
         raise ValueError(f"topk_ids: T = {t} tokens exceed the tile's {tile.block_t} routes per expert "

@@ -76,6 +76,13 @@ import triton
 import triton.language as tl
 
 from .common import register_cap_option
+from .moe_decode_checks import (  # noqa: F401 (MAX_ROUTES, check_topk_ids: re-exported)
+    MAX_ROUTES,
+    _check_bank,
+    _check_routing,
+    check_down_inputs,
+    check_topk_ids,
+)
 from .fp4_decode import SHIFT_BF16_BODY, SHIFT_EXP, SHIFT_F16_BODY, SHIFT_SCALE, dequant_rows_16bit
 from .moe_common import gated_activation_f32, local_expert
 
@@ -87,8 +94,6 @@ DECODE_CVT = 2  # the native ``cvt.rn.{bf16,f16}x2.e2m1x2`` (sm_100+ / sm_120 wh
 _PTX = tl.constexpr(DECODE_PTX)
 _CVT = tl.constexpr(DECODE_CVT)
 
-# One program holds every route id of the call in a vector: T * top_k is bounded (decode sizes only).
-MAX_ROUTES = 1024
 # That vector's width, in a few buckets (one compile each) rather than next_power_of_2(T * top_k) per batch size.
 _ROUTE_BLOCKS = (64, 256, MAX_ROUTES)
 # Vector width of the accumulator zeroing loop and of the sum kernel.
@@ -1048,110 +1053,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def check_topk_ids(topk_ids, global_experts: int) -> None:
-    """ValueError if an id is outside ``[0, global_experts)``.  Reads the ids on the host: a synchronizing check,
-    not for CUDA-graph capture (the kernels themselves treat such ids as another rank's expert)."""
-    if topk_ids.numel() == 0:
-        return
-    lo, hi = int(topk_ids.min()), int(topk_ids.max())
-    if lo < 0 or hi >= global_experts:
-        raise ValueError(f"topk_ids: expected expert ids in [0, {global_experts}), got values in [{lo}, {hi}]")
-
-
-# Metadata signatures (shapes, strides, dtypes, devices) whose checks passed, with what the checks derived: a
-# layer's banks and its routing keep theirs from call to call, so the launchers check them once per signature
-# (bounded, as the MoE flow's cache).
-_BANKS: dict[tuple, tuple[int, int, int]] = {}
-_ROUTINGS: dict[tuple, tuple[int, int, int]] = {}
-_MAX_CHECKED = 1 << 16
-
-
-def _meta(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-
-
-def _remember(cache: dict, key: tuple, value):
-    if len(cache) >= _MAX_CHECKED:
-        cache.clear()
-    cache[key] = value
-    return value
-
-
-def _check_routing(topk_ids, topk_weights, expert_map, num_experts: int, t: int | None, check_ids: bool, device):
-    """topk ids/weights ``[T, top_k]`` (contiguous: the kernels index them flat) and the optional map; returns
-    ``(T, top_k, global E, map or a dummy, has_map)``.  The id range check reads the ids (CPU, or ``check_ids``):
-    it runs on every call."""
-    key = (_meta(topk_ids), _meta(topk_weights), _meta(expert_map), num_experts, t, device)
-    dims = _ROUTINGS.get(key)
-    if dims is None:
-        dims = _remember(_ROUTINGS, key, _check_routing_meta(topk_ids, topk_weights, expert_map, num_experts, t,
-                                                             device))
-    t, k, global_e = dims
-    if check_ids or topk_ids.device.type == "cpu":
-        check_topk_ids(topk_ids, global_e)
-    emap = expert_map if expert_map is not None else topk_ids
-    return t, k, global_e, emap, expert_map is not None
-
-
-def _check_routing_meta(topk_ids, topk_weights, expert_map, num_experts: int, t: int | None, device):
-    import torch
-
-    from ..format.checks import check_tensor
-
-    check_tensor("topk_ids", topk_ids, dtype=(torch.int32, torch.int64), ndim=2, device=device)
-    if t is not None:
-        check_tensor("topk_ids", topk_ids, shape=[t, None])
-    t, k = topk_ids.shape
-    if not topk_ids.is_contiguous():
-        raise ValueError(f"topk_ids: expected a contiguous [{t}, {k}] tensor, got strides {topk_ids.stride()}")
-    if k < 1:
-        raise ValueError(f"topk_ids: expected top_k >= 1, got shape {list(topk_ids.shape)}")
-    if t * k > MAX_ROUTES:
-        raise ValueError(f"topk_ids: T * top_k = {t * k} routes; the decode kernels take at most {MAX_ROUTES}")
-    if topk_weights is not None:
-        check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=[t, k], device=topk_ids.device)
-        if not topk_weights.is_contiguous():
-            raise ValueError(f"topk_weights: expected a contiguous [{t}, {k}] tensor, got strides "
-                             f"{topk_weights.stride()}")
-    global_e = num_experts
-    if expert_map is not None:
-        check_tensor("expert_map", expert_map, dtype=torch.int32, ndim=1, device=topk_ids.device)
-        if not expert_map.is_contiguous():
-            raise ValueError("expert_map: expected a contiguous 1-D tensor")
-        global_e = expert_map.shape[0]
-    return t, k, global_e
-
-
-def _check_bank(name: str, codes, scales, dec, rows: int | None, k: int | None, device):
-    """codes ``[E, rows, K/2]`` u8, scales ``[E, rows, K/16]`` e4m3 (or its bytes), dec ``[E]`` fp32, on
-    ``device``, rows contiguous.  Returns ``(scale bytes, E, rows, K)``."""
-    import torch
-
-    key = (name, _meta(codes), _meta(scales), _meta(dec), rows, k, device)
-    dims = _BANKS.get(key)
-    if dims is None:
-        dims = _remember(_BANKS, key, _check_bank_meta(name, codes, scales, dec, rows, k, device))
-    return scales.view(torch.uint8), *dims
-
-
-def _check_bank_meta(name: str, codes, scales, dec, rows: int | None, k: int | None, device):
-    import torch
-
-    from ..format.checks import as_e4m3, check_tensor
-
-    check_tensor(f"{name}_codes", codes, dtype=torch.uint8, ndim=3, last_dim_contiguous=True, device=device)
-    e, n, kh = codes.shape
-    want = [e, rows if rows is not None else n, k // 2 if k is not None else kh]
-    check_tensor(f"{name}_codes", codes, shape=want)
-    kk = 2 * kh
-    if kk % 16:
-        raise ValueError(f"{name}_codes: K = {kk} must be a multiple of 16 (one e4m3 scale per 16 weights)")
-    scales = as_e4m3(f"{name}_scales", scales)
-    check_tensor(f"{name}_scales", scales, shape=[e, n, kk // 16], last_dim_contiguous=True, device=device)
-    check_tensor(f"{name}_dec", dec, dtype=torch.float32, shape=[e], device=device)
-    return e, n, kk
-
-
 def route_block(routes: int) -> int:
     """The width of the kernels' route-id vector for a call of ``routes`` routes (a compile-time argument: one of
     a few buckets)."""
@@ -1321,25 +1222,12 @@ def _check_down_tile(tile: DecodeTile, kernel: str, deterministic: bool) -> None
 
 
 def _check_down(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expert_map, check_ids, out,
-                tile: DecodeTile | None, kernel: str, deterministic: bool = False):
-    """The down launchers' checks; allocates ``out [T, H]`` (``inter.dtype``) if not given.  ``tile``: a Triton
-    tile to check against ``kernel`` (None: the caller checks its own)."""
-    import torch
-
-    from ..format.checks import ACT_DTYPES, check_tensor
-
-    check_tensor("inter", inter, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
-    w_sf, e, h, i = _check_bank("w2", w2_codes, w2_scales, w2_dec, None, inter.shape[1], inter.device)
-    t, k, global_e, emap, has_map = _check_routing(topk_ids, topk_weights, expert_map, e, None, check_ids,
-                                                   inter.device)
-    check_tensor("inter", inter, shape=[t * k, i], device=inter.device)
-    if out is None:
-        out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
-    check_tensor("out", out, dtype=inter.dtype, shape=[t, h], last_dim_contiguous=True, device=inter.device)
-    if tile is not None:
-        tile.check_rows(tile.block_n, kernel)
-        _check_down_tile(tile, kernel, deterministic)
-    return w_sf, e, h, i, t, k, global_e, emap, has_map, out
+                tile: DecodeTile, kernel: str, deterministic: bool = False):
+    """The Triton down launchers' checks (:func:`.moe_decode_checks.check_down_inputs` and the tile's)."""
+    checked = check_down_inputs(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, expert_map, check_ids, out)
+    tile.check_rows(tile.block_n, kernel)
+    _check_down_tile(tile, kernel, deterministic)
+    return checked
 
 
 def moe_decode_down_token(
