@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from moe_gpu_common import assert_moe_close
+from test_moe_decode import SWEEP
 from test_moe_decode import _problem as _decode_problem
 
 from vllm_nvfp4_sm120.format import GlobalScale, NvFp4, dequantize_nvfp4, moe_ref
@@ -25,15 +26,6 @@ from vllm_nvfp4_sm120.kernels.moe_decode import DecodeTile, moe_decode, moe_deco
 from vllm_nvfp4_sm120.kernels.sass_stats import main_loop
 
 
-def _load_sweep():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_decode_sweep.py"
-    spec = importlib.util.spec_from_file_location("moe_decode_sweep_gluon", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SWEEP = _load_sweep()
 TILES = dict(SWEEP.STREAM_GATE_UP)
 DOWN_TILE = DecodeTile(16, 128, 16, num_warps=1, num_stages=3, use_dot=True)
 

@@ -443,33 +443,16 @@ def moe_stream_gate_up(x, w13_codes, w13_scales, w13_dec, topk_ids, *, tile: Moe
 
     Inputs are checked as the Triton launcher checks them; ``zero`` (fp32, contiguous) is zeroed by the kernel's
     CTAs first."""
-    from ..format.checks import ACT_DTYPES, check_tensor
-    from ..format.reference import ACTIVATIONS
-    from .moe_decode_checks import _check_bank, _check_routing
+    from .moe_decode_checks import check_gate_up_inputs
 
     require_gluon("moe_stream_gate_up")
-    check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
-    t, h = x.shape
-    w_sf, e, two_i, _ = _check_bank("w13", w13_codes, w13_scales, w13_dec, None, h, x.device)
-    if two_i % 32:
-        raise ValueError(f"w13_codes: 2I = {two_i} rows must be gate and up halves with I % 16 == 0")
+    w_sf, e, h, i, t, k, global_e, emap, has_map, out = check_gate_up_inputs(
+        x, w13_codes, w13_scales, w13_dec, topk_ids, expert_map, activation, out, zero, check_ids)
     _check_words("w13_codes", w13_codes)
-    i = two_i // 2
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-    t, k, global_e, emap, has_map = _check_routing(topk_ids, None, expert_map, e, t, check_ids, x.device)
     if t > tile.block_t:
         raise ValueError(f"x: T = {t} tokens exceed the tile's {tile.block_t} routes per expert "
                          f"(the streaming gate_up takes T <= block_t)")
-    s = t * k
-    if out is None:
-        out = torch.empty((s, i), dtype=x.dtype, device=x.device)
-    check_tensor("out", out, dtype=x.dtype, shape=[s, i], last_dim_contiguous=True, device=x.device)
-    if zero is not None:
-        check_tensor("zero", zero, dtype=torch.float32, device=x.device)
-        if not zero.is_contiguous():
-            raise ValueError("zero: expected a contiguous tensor (its storage is zeroed flat)")
-    if s == 0:
+    if t * k == 0:
         if zero is not None:
             zero.zero_()
         return out

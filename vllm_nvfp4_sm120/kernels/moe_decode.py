@@ -81,6 +81,7 @@ from .moe_decode_checks import (  # noqa: F401 (MAX_ROUTES, check_topk_ids: re-e
     _check_bank,
     _check_routing,
     check_down_inputs,
+    check_gate_up_inputs,
     check_topk_ids,
 )
 from .fp4_decode import SHIFT_BF16_BODY, SHIFT_EXP, SHIFT_F16_BODY, SHIFT_SCALE, dequant_rows_16bit
@@ -1173,28 +1174,9 @@ def moe_decode_gate_up(
     atomic mode, saving a memset launch.  ``down_bank``: ``(w2_codes [E, H, I/2], w2_scales [E, H, I/16], w2_dec)``,
     the bank a ``prefetch_down`` tile prefetches (required by such a tile, read by no other).
     """
-    import torch
-
-    from ..format.checks import ACT_DTYPES, check_tensor
-    from ..format.reference import ACTIVATIONS
-
-    check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
-    t, h = x.shape
-    w_sf, e, two_i, _ = _check_bank("w13", w13_codes, w13_scales, w13_dec, None, h, x.device)
-    if two_i % 32:
-        raise ValueError(f"w13_codes: 2I = {two_i} rows must be gate and up halves with I % 16 == 0")
-    i = two_i // 2
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-    t, k, global_e, emap, has_map = _check_routing(topk_ids, None, expert_map, e, t, check_ids, x.device)
+    w_sf, e, h, i, t, k, global_e, emap, has_map, out = check_gate_up_inputs(
+        x, w13_codes, w13_scales, w13_dec, topk_ids, expert_map, activation, out, zero, check_ids)
     s = t * k
-    if out is None:
-        out = torch.empty((s, i), dtype=x.dtype, device=x.device)
-    check_tensor("out", out, dtype=x.dtype, shape=[s, i], last_dim_contiguous=True, device=x.device)
-    if zero is not None:
-        check_tensor("zero", zero, dtype=torch.float32, device=x.device)
-        if not zero.is_contiguous():
-            raise ValueError("zero: expected a contiguous tensor (its storage is zeroed flat)")
     tile.check_rows(2 * tile.block_n, "gate_up")
     w2 = w2_sf = None
     if tile.prefetch_down:

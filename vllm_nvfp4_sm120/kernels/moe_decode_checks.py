@@ -129,3 +129,33 @@ def check_down_inputs(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights
         out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
     check_tensor("out", out, dtype=inter.dtype, shape=[t, h], last_dim_contiguous=True, device=inter.device)
     return w_sf, e, h, i, t, k, global_e, emap, has_map, out
+
+
+def check_gate_up_inputs(x, w13_codes, w13_scales, w13_dec, topk_ids, expert_map, activation: str, out, zero,
+                         check_ids: bool):
+    """A gate_up launcher's inputs, whatever its tile: ``x [T, H]``, the w13 bank for it (gate and up halves), the
+    activation, the routing, ``out [T * top_k, I]`` (allocated in ``x.dtype`` if not given) and the buffer to zero.
+    Returns ``(w13 scale bytes, E, H, I, T, top_k, global E, map or a dummy, has_map, out)``."""
+    import torch
+
+    from ..format.checks import ACT_DTYPES, check_tensor
+    from ..format.reference import ACTIVATIONS
+
+    check_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
+    t, h = x.shape
+    w_sf, e, two_i, _ = _check_bank("w13", w13_codes, w13_scales, w13_dec, None, h, x.device)
+    if two_i % 32:
+        raise ValueError(f"w13_codes: 2I = {two_i} rows must be gate and up halves with I % 16 == 0")
+    i = two_i // 2
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    t, k, global_e, emap, has_map = _check_routing(topk_ids, None, expert_map, e, t, check_ids, x.device)
+    if out is None:
+        out = torch.empty((t * k, i), dtype=x.dtype, device=x.device)
+    check_tensor("out", out, dtype=x.dtype, shape=[t * k, i], last_dim_contiguous=True, device=x.device)
+    if zero is not None:
+        check_tensor("zero", zero, dtype=torch.float32, device=x.device)
+        if not zero.is_contiguous():
+            raise ValueError("zero: expected a contiguous tensor (its storage is zeroed flat)")
+    return w_sf, e, h, i, t, k, global_e, emap, has_map, out
+
