@@ -62,8 +62,8 @@ T = 1 the two dependent launches and the first DRAM latency are a real part of t
 
 Routing ids out of range (``< 0`` or ``>= E``, or ``>= len(expert_map)`` with a map) cannot be checked on the device
 without a host sync: the kernels treat them as another rank's expert (the route contributes nothing), exactly as
-``-1`` in ``expert_map``.  :func:`check_topk_ids` is the synchronizing check (the launchers run it on CPU tensors,
-and on the GPU when asked with ``check_ids=True``).
+``-1`` in ``expert_map``.  :func:`.moe_decode_checks.check_topk_ids` is the synchronizing check (the launchers run
+it on CPU tensors, and on the GPU when asked with ``check_ids=True``).
 """
 
 from __future__ import annotations
@@ -76,14 +76,7 @@ import triton
 import triton.language as tl
 
 from .common import register_cap_option
-from .moe_decode_checks import (  # noqa: F401 (MAX_ROUTES, check_topk_ids: re-exported)
-    MAX_ROUTES,
-    _check_bank,
-    _check_routing,
-    check_down_inputs,
-    check_gate_up_inputs,
-    check_topk_ids,
-)
+from .moe_decode_checks import MAX_ROUTES, _check_bank, check_down_inputs, check_gate_up_inputs
 from .fp4_decode import SHIFT_BF16_BODY, SHIFT_EXP, SHIFT_F16_BODY, SHIFT_SCALE, dequant_rows_16bit
 from .moe_common import gated_activation_f32, local_expert
 

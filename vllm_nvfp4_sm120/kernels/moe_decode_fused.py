@@ -42,8 +42,6 @@ from .moe_decode import (
     DECODE_PTX,
     DecodeTile,
     _BANK,
-    _check_bank,
-    _check_routing,
     _chunk_routes,
     _divisible,
     _expert_rows_product,
@@ -57,6 +55,7 @@ from .moe_decode import (
     shift_ok,
 )
 from .moe_common import local_expert
+from .moe_decode_checks import _check_bank, _check_routing
 
 _ZERO_CHUNK = tl.constexpr(256)
 
