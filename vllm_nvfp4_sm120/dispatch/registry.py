@@ -259,17 +259,15 @@ def _decode_down(inter, w2_codes, w2_scales, w2_dec, topk_ids, topk_weights, wor
 
 
 def _prepare_decode_gate_up(plan, r, zero_numel):
-    """The ready gate_up launch with the Triton launcher's call signature ``run(x, w13_codes, w13_sf, w13_dec,
+    """The ready gate_up launch of the plan's tile.  Both ready launchers take ``run(x, w13_codes, w13_sf, w13_dec,
     topk_ids, emap, out, zero, w2_codes, w2_sf)``."""
     dims = (r.t, r.h, r.i, r.e, r.top_k, r.global_e, r.device)
     if not isinstance(plan.gate_up, gluon_moe_decode.MoeStreamTile):
         return moe_decode.prepare_moe_decode_gate_up(*dims, tile=plan.gate_up, activation=r.activation,
                                                      has_map=r.has_map, zero_numel=zero_numel)
-    run = gluon_moe_decode.prepare_moe_stream_gate_up(*dims, r.dtype, tile=plan.gate_up,
-                                                      ctas=plan.gate_up.ctas(r.device), activation=r.activation,
-                                                      has_map=r.has_map, zero_numel=zero_numel)
-    return lambda x, w13_codes, w13_sf, w13_dec, topk_ids, emap, out, zero, w2_codes, w2_sf: run(
-        x, w13_codes, w13_sf, w13_dec, topk_ids, emap, out, zero)
+    return gluon_moe_decode.prepare_moe_stream_gate_up(*dims, r.dtype, tile=plan.gate_up,
+                                                       ctas=plan.gate_up.ctas(r.device), activation=r.activation,
+                                                       has_map=r.has_map, zero_numel=zero_numel)
 
 
 MOE_KERNELS: dict[tuple[MoeKernel, Impl], tuple[Callable, Callable]] = {

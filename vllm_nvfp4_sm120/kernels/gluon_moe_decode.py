@@ -377,10 +377,11 @@ def _ready(grid: MoeStreamGrid, tile: MoeStreamTile, device, dtype, decode, **co
 def prepare_moe_stream_gate_up(t: int, h: int, i: int, e: int, top_k: int, global_e: int, device, dtype, *,
                                tile: MoeStreamTile, ctas: int, activation: str, has_map: bool,
                                zero_numel: int | None, decode: int | None = None):
-    """A ready launch: ``run(x, w13_codes, w13_sf_u8, w13_dec, topk_ids, emap, out, zero) -> out [T * top_k, I]``
-    for ``T = t <= tile.block_t``.  It checks nothing (:func:`moe_stream_gate_up` does); partial sums are a fresh
-    buffer per call (every slot read is written first in the same launch), the arrival counters one zeroed tensor
-    per CUDA stream that the kernel leaves zero."""
+    """A ready launch: ``run(x, w13_codes, w13_sf_u8, w13_dec, topk_ids, emap, out, zero, w2_codes, w2_sf) -> out
+    [T * top_k, I]`` for ``T = t <= tile.block_t``: the Triton ready gate_up's call signature (the down bank, which
+    only its prefetching tiles read, is unused here).  It checks nothing (:func:`moe_stream_gate_up` does); partial
+    sums are a fresh buffer per call (every slot read is written first in the same launch), the arrival counters
+    one zeroed tensor per CUDA stream that the kernel leaves zero."""
     if t > tile.block_t:
         raise ValueError(f"gate_up stream: T = {t} tokens exceed the tile's {tile.block_t} routes per expert")
     s = t * top_k
@@ -392,7 +393,7 @@ def prepare_moe_stream_gate_up(t: int, h: int, i: int, e: int, top_k: int, globa
         DOWN=False, ACTIVATION=activation, HAS_MAP=has_map, ZERO=has_zero, S_BLOCK=route_block(s),
         EVEN_K=h % K_BLOCK == 0)
 
-    def run(x, w13_codes, w13_sf, w13_dec, topk_ids, emap, out=None, zero=None):
+    def run(x, w13_codes, w13_sf, w13_dec, topk_ids, emap, out=None, zero=None, w2_codes=None, w2_sf=None):
         if out is None:
             out = torch.empty((s, i), dtype=x.dtype, device=x.device)
         part = torch.empty(max(partials, 1), dtype=torch.float32, device=x.device)
