@@ -122,7 +122,8 @@ STREAM_GATE_UP = {
     "gus-m16t8": MoeStreamTile(16, 8, ctas_per_sm=4),
     "gus-m32t16": MoeStreamTile(32, 16, ctas_per_sm=2),
     # Fewer warps over K (two instead of four): each warp streams twice the steps of a row tile's run, which is short
-    # where K is (H = 2048: 16 blocks of 128).  64 rows over two row warps 160 registers (3 CTAs), two-warp CTAs 164 (6).
+    # where K is (H = 2048: 16 blocks of 128).  64 rows over two row warps: 160 registers (3 CTAs); two-warp CTAs:
+    # 164 (6).
     "gus-m64t8-rw2": MoeStreamTile(64, 8, num_warps=4, row_warps=2, ctas_per_sm=3),
     "gus-m32t8-w2": MoeStreamTile(32, 8, num_warps=2, ctas_per_sm=6),
 }

@@ -149,8 +149,8 @@ def _gpu_plan(kind: str):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,deterministic", [("token", False), ("fused", False), ("expert", True), ("expert", False),
-                                                ("expert-triton", False), ("tiers", True), ("tiers", False), ("tiers-w4a4", True),
-                                                ("gluon", True), ("gluon-w4a4", True)])
+                                                ("expert-triton", False), ("tiers", True), ("tiers", False),
+                                                ("tiers-w4a4", True), ("gluon", True), ("gluon-w4a4", True)])
 def test_flow_second_call_takes_ready_launcher(kind, deterministic, gen):
     if kind.startswith("gluon") and not HAS_GLUON:
         pytest.skip("needs Gluon (Triton >= 3.8)")

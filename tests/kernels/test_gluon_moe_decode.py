@@ -34,8 +34,8 @@ def _problem(t, e, k, h, i, *, dtype=torch.bfloat16, with_map=False, device="cpu
     """test_moe_decode's problem (all code bytes, softmax top-k routing, with a map every other global expert
     local) on ``device``."""
     moved = lambda v: v.to(device) if v is not None else None  # noqa: E731
-    return tuple(NvFp4(moved(v.codes), moved(v.scales)) if isinstance(v, NvFp4) else moved(v)
-                 for v in _decode_problem(t, e, k, h, i, dtype=dtype, with_map=with_map, ids_dtype=ids_dtype, seed=seed))
+    problem = _decode_problem(t, e, k, h, i, dtype=dtype, with_map=with_map, ids_dtype=ids_dtype, seed=seed)
+    return tuple(NvFp4(moved(v.codes), moved(v.scales)) if isinstance(v, NvFp4) else moved(v) for v in problem)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -97,9 +97,9 @@ def test_down_launcher_checks():
     inter = torch.randn(t * k, i).to(torch.bfloat16)
     tile = gm.MoeStreamTile(32, 8)
     ws = torch.zeros(gm.down_workspace_numel(t, h, tile))
-    run = lambda **kw: gm.moe_stream_down(**({"inter": inter, "w2_codes": w2.codes, "w2_scales": w2.scales,  # noqa: E731
-                                              "w2_dec": d2, "topk_ids": ti, "topk_weights": tw, "workspace": ws,
-                                              "tile": tile} | kw))
+    base = {"inter": inter, "w2_codes": w2.codes, "w2_scales": w2.scales, "w2_dec": d2, "topk_ids": ti,
+            "topk_weights": tw, "workspace": ws, "tile": tile}
+    run = lambda **kw: gm.moe_stream_down(**(base | kw))  # noqa: E731
     with pytest.raises(TypeError, match="inter"):
         run(inter=inter.float())
     with pytest.raises(ValueError, match="inter"):
