@@ -413,10 +413,11 @@ def test_dispatch_decode_rows(monkeypatch):
                     i = H200_SHAPES[name][1]
                     assert p.down.use_tma == (p.decode_down == "expert" and i <= M.DECODE_TMA_DOWN_MAX_I)
                     assert p.down.shift_decode == (t > 2 or i > M.DECODE_TMA_DOWN_MAX_I)
-                    # The streaming Gluon gate_up where it won on the H100 (run 63): H = 7168 at T = 1-8,
-                    # H = 4096 at T = 2-8, every H at T = 8.
-                    stream = t <= 8 and (h >= 7168 or (h >= 4096 and t >= 2) or (h >= 2048 and t == 8))
-                    assert (p.gate_up == M.DECODE_STREAM_GATE_UP_TILES["gus-m32t8"]) == stream, (cap, name, t)
+                    # The streaming Gluon gate_up where it won on the H100 (runs 63-68): H = 7168 at T = 1-8,
+                    # H = 4096 at T = 2-8 (32 x 8), H = 2048 at T = 4-8 (64 x 8 over two row warps).
+                    stream = t <= 8 and (h >= 7168 or (h >= 4096 and t >= 2) or (h >= 2048 and t >= 4))
+                    name_ = "gus-m32t8" if h >= 4096 else "gus-m64t8-rw2"
+                    assert (p.gate_up == M.DECODE_STREAM_GATE_UP_TILES[name_]) == stream, (cap, name, t)
                     assert p.tier.endswith("/stream") == stream
                     if stream:
                         assert p.tma[0] is False
@@ -479,7 +480,7 @@ def test_decode_plan_kwargs_bind():
 
     from vllm_nvfp4_sm120.dispatch import moe as M
 
-    assert gate_up.__name__ == "decode_gate_up" and p.gate_up == M.DECODE_STREAM_GATE_UP_TILES["gus-m32t8"]
+    assert gate_up.__name__ == "decode_gate_up" and p.gate_up == M.DECODE_STREAM_GATE_UP_TILES["gus-m64t8-rw2"]
     for tile in (p.gate_up, M.DECODE_GATE_UP_TILES["gu-n16k128-w2-st3"]):
         inspect.signature(gate_up).bind(None, None, None, None, None, expert_map=None, activation="silu", zero=None,
                                         down_bank=None, tile=tile)

@@ -263,9 +263,15 @@ DECODE_WIDE_GATE_UP_TILE = "gu-n32k128-w1-st3-shift"
 
 # The streaming Gluon gate_up (kernels/gluon_moe_decode.py: the linear streaming kernel's decode step, 25.8 SASS
 # instructions per code word on sm_90 against the Triton loop's 31.6, over a stream-K list of the touched experts' row
-# tiles; T <= its block_t).  Side by side with the rows' Triton tiles on an H100 (device runs 63 and 65, CUDA graphs,
-# weights beyond L2; docs/benchmarks.md "The streaming gate_up"), it wins where the gate_up streams long K rows:
-DECODE_STREAM_GATE_UP_TILES = {"gus-m32t8": MoeStreamTile(32, 8, ctas_per_sm=3)}
+# tiles; T <= its block_t).  Side by side with the rows' Triton tiles on an H100 (device runs 63-68, CUDA graphs,
+# weights beyond L2; docs/benchmarks.md "The streaming gate_up"), it wins where the gate_up streams long K rows, and
+# at H = 2048 from T = 4:
+DECODE_STREAM_GATE_UP_TILES = {
+    "gus-m32t8": MoeStreamTile(32, 8, ctas_per_sm=3),
+    # 64 rows over two row warps, so two warps over K: each warp streams twice the steps of a row tile's run, which
+    # is what the short K rows of H = 2048 (16 blocks of 128) lack.
+    "gus-m64t8-rw2": MoeStreamTile(64, 8, num_warps=4, row_warps=2, ctas_per_sm=3),
+}
 # (min H, min T, max T, tile, why): the first row with H >= min H and min T <= T <= max T serves the gate_up (the
 # down and the rest of the plan as the rows below).  Gluon only (``VLLM_NVFP4_SM120_DISABLE_GLUON`` turns it off).
 _H100_STREAM_ROWS = (
@@ -277,14 +283,15 @@ _H100_STREAM_ROWS = (
      "H100 run 63: Qwen3-235B-A22B gate_up 56.3 / 98.2 / 166.9 us at T = 2 / 4 / 8 against 62.0 / 114.7 / 196.7 "
      "(1.10-1.18x); run 65: the layer 1.14-1.18x at T = 2, 4, 6, 8; T = 1 a tie (55.4 against 55.1 us), so the "
      "Triton row keeps it"),
-    (2048, 8, 8, "gus-m32t8",
-     "H100 runs 63 and 65: at H = 2048 the streaming tile wins at T = 8 (the layer 1.09x on Qwen3-30B-A3B, 1.11x on "
-     "Qwen3-Next-80B) and loses at T = 1-2 (1.08-1.17x); T = 4-6 were mixed between the two runs; H < 2048 "
-     "unmeasured"),
+    (2048, 4, 8, "gus-m64t8-rw2",
+     "H100 runs 67 and 68: at H = 2048 the layer with this tile against the Triton rows' pair 1.17 / 1.07 / 1.10x at "
+     "T = 4 / 6 / 8 on Qwen3-30B-A3B and 1.18 / 1.05x at T = 4 / 6 on Qwen3-Next-80B (run 68; run 65 had the 32 x 8 "
+     "tile's pair 1.10-1.12x at T = 4), and the gate_up alone 1.02-1.08x the 32 x 8 tile at T = 4-8 (run 68; "
+     "1.02-1.07x at T = 8, run 67); T = 1-2 lose (1.08-1.17x, run 65); H < 2048 unmeasured"),
 )
 _DECODE_STREAM_ROWS = {
     Family.SM90: _H100_STREAM_ROWS,
-    # Compile-checked for sm_120 (native cvt, no local memory, 159 registers: 3 CTAs per SM as on sm_90).
+    # Compile-checked for sm_120 (native cvt, no local memory, 159 / 161 registers: 3 CTAs per SM as on sm_90).
     Family.SM120: tuple(row[:-1] + (row[-1] + "; the sm_90 measurement until an sm_120 run",)
                         for row in _H100_STREAM_ROWS),
 }
