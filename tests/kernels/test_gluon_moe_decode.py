@@ -45,10 +45,13 @@ def test_tile_rules():
     assert gm.MoeStreamTile(32, 8).columns == 16
     for bad in (dict(block_m=48, block_t=8), dict(block_m=32, block_t=12), dict(block_m=32, block_t=8, num_warps=3),
                 dict(block_m=32, block_t=8, ctas_per_sm=0), dict(block_m=32, block_t=8, row_warps=2, num_warps=2,
-                                                                  max_regs=8)):
+                                                                  max_regs=8),
+                dict(block_m=32, block_t=8, prefetch_steps=3)):
         with pytest.raises(ValueError, match="MoeStreamTile"):
             gm.MoeStreamTile(**bad)
     assert gm.MoeStreamTile(32, 8, max_regs=128).launch_options == {"num_warps": 4, "maxnreg": 128}
+    assert gm.MoeStreamTile(64, 8, row_warps=2, prefetch_steps=2).constexprs == dict(
+        BLOCK_M=64, BLOCK_T=8, WARPS=4, ROW_WARPS=2, PREFETCH=2)
 
 
 def test_grid_sizes_the_largest_list():
@@ -327,8 +330,7 @@ def compile_tile(tile, arch=120, decode=0, dtype="bf16", has_map=True, even_k=Tr
         for a in ("x_ptr", "out_ptr"):
             sig[a] = f"*{dtype}"
         consts = dict(DOWN=down, ACTIVATION=activation, HAS_MAP=has_map, ZERO=not down, S_BLOCK=64, DECODE=decode,
-                      EVEN_K=even_k, BLOCK_M=tile.block_m, BLOCK_T=tile.block_t, WARPS=tile.num_warps,
-                      ROW_WARPS=tile.row_warps)
+                      EVEN_K=even_k, **tile.constexprs)
         _compiled[key] = compile_kernel(KERNEL, sig, consts, arch=arch, num_warps=tile.num_warps,
                                         divisible=gm.MOE_STREAM_DIVISIBLE, gluon=True, maxnreg=tile.max_regs)
     return _compiled[key]
@@ -349,6 +351,17 @@ def test_the_dispatch_tiles_are_among_the_compiled_ones():
         assert used and used <= set(TILES.values()), cc
 
 
+def _require_prefetch(rep, tile):
+    """A prefetching tile asks L2 for the next run's lines (predicated, outside the main loop); others never do."""
+    if tile.prefetch_steps:
+        rep.require_ptx(r"@p prefetch\.global\.L2").require_sass(r"CCTL\.E\.PF2")
+        # one line of codes and one of scales per row a lane holds (BMW / 8 rows)
+        assert rep.sass.count("CCTL.E.PF2") == 2 * (tile.block_m // tile.row_warps // 8)
+        assert "CCTL" not in " ".join(main_loop(rep.sass).ops)
+    else:
+        assert not rep.has_ptx(r"prefetch\.global")
+
+
 # (name, mode): the sweep's gate_up and down tiles, each in its mode
 JOBS = [(n, False) for n in TILES] + [(n, True) for n in SWEEP.STREAM_DOWN]
 
@@ -366,6 +379,7 @@ def test_sweep_tiles_compile_for_sm120(name, down):
     rep.require_sass(r"HMMA\.16816\.F32\.BF16").require_ptx(r"atom\.global\.gpu\.acq_rel\.add")
     if down:  # the routing-weighted rows added into the token's fp32 sums
         rep.require_ptx(r"red\.global\.gpu\.add\.f32|atom\.global\.gpu\.(relaxed\.)?add\.f32")
+    _require_prefetch(rep, tile)
     loop = main_loop(rep.sass)
     words = _words(tile)
     # one 16-byte load per row and step for the codes, four per token row and step for the activations
@@ -383,6 +397,7 @@ def test_sweep_tiles_compile_for_sm90_with_the_shift_decode(name, down):
     tile = _tile(name, down)
     rep = compile_tile(tile, arch=90, decode=2, down=down).require_no_local()
     assert not rep.has_ptx("e2m1")
+    _require_prefetch(rep, tile)
     loop = main_loop(rep.sass)
     words = _words(tile)
     assert loop.count(r"HMUL2\.BF16_V2") == 4 * words, loop.ops
@@ -473,6 +488,24 @@ def test_gpu_zeroes_the_buffer_reruns_bit_identical_and_replays():
     torch.cuda.synchronize()
     assert torch.equal(out, first)
     assert all(int(torch.count_nonzero(c)) == 0 for c in run.counters.by_stream.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [n for n in TILES if TILES[n].prefetch_steps])
+def test_gpu_prefetch_changes_no_bit(name):
+    """The next run's L2 prefetch only moves bytes earlier: the gate_up's bits are the tile's without it, and the
+    tile as the streaming down too (its own mode) matches the reference."""
+    from dataclasses import replace
+
+    t, e, k, h, i = 6, 128, 8, 2048, 768
+    x, w13, d13, w2, d2, tw, ti, _ = _problem(t, e, k, h, i, device="cuda")
+    tile = TILES[name]
+    first = gm.moe_stream_gate_up(x, w13.codes, w13.scales, d13, ti, tile=tile)
+    plain = gm.moe_stream_gate_up(x, w13.codes, w13.scales, d13, ti, tile=replace(tile, prefetch_steps=0))
+    assert torch.equal(first, plain)
+    out = moe_decode(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, gate_up_tile=tile,
+                     down_tile=tile, down="expert")
+    assert_moe_close(out, moe_ref(x, w13, d13, w2, d2, tw, ti))
 
 
 @pytest.mark.gpu
