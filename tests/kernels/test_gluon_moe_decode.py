@@ -51,7 +51,8 @@ def test_tile_rules():
             gm.MoeStreamTile(**bad)
     assert gm.MoeStreamTile(32, 8, max_regs=128).launch_options == {"num_warps": 4, "maxnreg": 128}
     assert gm.MoeStreamTile(64, 8, row_warps=2, prefetch_steps=2).constexprs == dict(
-        BLOCK_M=64, BLOCK_T=8, WARPS=4, ROW_WARPS=2, PREFETCH=2)
+        BLOCK_M=64, BLOCK_T=8, WARPS=4, ROW_WARPS=2, PREFETCH=2, ROW_POINTERS=False)
+    assert gm.MoeStreamTile(32, 8, row_pointers=True).constexprs["ROW_POINTERS"] is True
 
 
 def test_grid_sizes_the_largest_list():
@@ -408,6 +409,28 @@ def test_sweep_tiles_compile_for_sm90_with_the_shift_decode(name, down):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("arch,decode", [(120, 0), (90, 2)])
+@pytest.mark.parametrize("name", [n for n in TILES if TILES[n].row_pointers])
+def test_row_pointers_take_fewer_address_instructions(name, arch, decode):
+    """Each load's address is one IMAD.WIDE of the row pointer; without the option, a 32-bit offset is widened and
+    added to the base (IMAD.SHL / IMAD.HI or SHF, then a 64-bit add).  The decode and the MMAs are the same, and the
+    tile still fits 3 CTAs per SM."""
+    from dataclasses import replace
+
+    tile = TILES[name]
+    rep = compile_tile(tile, arch=arch, decode=decode).require_no_local()
+    plain = compile_tile(replace(tile, row_pointers=False), arch=arch, decode=decode)
+    loop, plain_loop = main_loop(rep.sass), main_loop(plain.sass)
+    words = _words(tile)
+    assert loop.count(r"IMAD\.WIDE.*") and not plain_loop.count(r"IMAD\.WIDE.*"), (loop.ops, plain_loop.ops)
+    for op in (r"HMMA.*", r"HMUL2.*", r"F2FP\.BF16\.E2M1.*", r"LDG.*"):
+        assert loop.count(op) == plain_loop.count(op), (op, loop.ops, plain_loop.ops)
+    assert loop.total <= plain_loop.total - words, (loop.total, plain_loop.total)  # at least 1 per code word
+    assert rep.registers <= 168, rep.registers  # 4-warp CTAs: 3 per SM up to 168 registers
+    print(rep.summary(), f"{loop.total / words:.1f} instructions per code word against {plain_loop.total / words:.1f}")
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("arch,decode,dtype,even_k,activation", [(120, 0, "fp16", False, "gelu_tanh"),
                                                                  (90, 2, "fp16", False, "gelu_tanh"),
                                                                  (90, 1, "bf16", True, "silu")])
@@ -491,17 +514,19 @@ def test_gpu_zeroes_the_buffer_reruns_bit_identical_and_replays():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [n for n in TILES if TILES[n].prefetch_steps])
-def test_gpu_prefetch_changes_no_bit(name):
-    """The next run's L2 prefetch only moves bytes earlier: the gate_up's bits are the tile's without it, and the
-    tile as the streaming down too (its own mode) matches the reference."""
+@pytest.mark.parametrize("name", [n for n in TILES if TILES[n].prefetch_steps or TILES[n].row_pointers])
+def test_gpu_prefetch_and_row_pointers_change_no_bit(name):
+    """The next run's L2 prefetch only moves bytes earlier and the row pointers only compute the same addresses
+    another way: the gate_up's bits are the tile's without either, and the tile as the streaming down too (its own
+    mode) matches the reference."""
     from dataclasses import replace
 
     t, e, k, h, i = 6, 128, 8, 2048, 768
     x, w13, d13, w2, d2, tw, ti, _ = _problem(t, e, k, h, i, device="cuda")
     tile = TILES[name]
     first = gm.moe_stream_gate_up(x, w13.codes, w13.scales, d13, ti, tile=tile)
-    plain = gm.moe_stream_gate_up(x, w13.codes, w13.scales, d13, ti, tile=replace(tile, prefetch_steps=0))
+    plain = gm.moe_stream_gate_up(x, w13.codes, w13.scales, d13, ti,
+                                  tile=replace(tile, prefetch_steps=0, row_pointers=False))
     assert torch.equal(first, plain)
     out = moe_decode(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, gate_up_tile=tile,
                      down_tile=tile, down="expert")

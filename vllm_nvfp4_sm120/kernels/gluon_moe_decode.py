@@ -60,7 +60,9 @@ class MoeStreamTile:
     so the whole grid runs at once);
     ``prefetch_steps``: when a CTA starts a run and another follows it in its range, it first asks L2 for the first
     that many steps of the next run's codes and scales (``prefetch.global.L2``, no registers held across the run),
-    so that the next run's first loads find L2 instead of DRAM; 0: none."""
+    so that the next run's first loads find L2 instead of DRAM; 0: none;
+    ``row_pointers``: 64-bit row pointers per run instead of 32-bit offsets on a base (see
+    :func:`.gluon_gemv_stream._run_product`): fewer address instructions, a few more registers."""
 
     block_m: int
     block_t: int
@@ -69,6 +71,7 @@ class MoeStreamTile:
     max_regs: int | None = None
     ctas_per_sm: int = 2
     prefetch_steps: int = 0
+    row_pointers: bool = False
 
     def __post_init__(self):
         if self.block_t not in (8, 16) or self.num_warps not in (2, 4, 8) or self.row_warps not in (1, 2, 4):
@@ -98,7 +101,7 @@ class MoeStreamTile:
     def constexprs(self) -> dict:
         """The kernel's compile-time arguments this tile sets."""
         return dict(BLOCK_M=self.block_m, BLOCK_T=self.block_t, WARPS=self.num_warps, ROW_WARPS=self.row_warps,
-                    PREFETCH=self.prefetch_steps)
+                    PREFETCH=self.prefetch_steps, ROW_POINTERS=self.row_pointers)
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,7 @@ MOE_STREAM_SIGNATURE = {
     "DOWN": "constexpr", "ACTIVATION": "constexpr", "HAS_MAP": "constexpr", "ZERO": "constexpr",
     "S_BLOCK": "constexpr", "DECODE": "constexpr", "EVEN_K": "constexpr", "BLOCK_M": "constexpr",
     "BLOCK_T": "constexpr", "WARPS": "constexpr", "ROW_WARPS": "constexpr", "PREFETCH": "constexpr",
+    "ROW_POINTERS": "constexpr",
 }
 MOE_STREAM_DIVISIBLE = [k for k, v in MOE_STREAM_SIGNATURE.items() if v.startswith("*")] + [
     "N", "K", "stride_xt", "stride_we", "stride_ww", "stride_wse", "stride_wsn", "stride_om",
@@ -194,7 +198,7 @@ if HAS_GLUON:
         DOWN: gl.constexpr, ACTIVATION: gl.constexpr, HAS_MAP: gl.constexpr, ZERO: gl.constexpr,
         S_BLOCK: gl.constexpr, DECODE: gl.constexpr, EVEN_K: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr, WARPS: gl.constexpr, ROW_WARPS: gl.constexpr,
-        PREFETCH: gl.constexpr,
+        PREFETCH: gl.constexpr, ROW_POINTERS: gl.constexpr,
     ):
         # gate_up (DOWN false): N = I columns, a row tile = HALF gate rows + the same columns' up rows of w13[e],
         # activations x[token]; down: N = H rows of w2[e], activations inter[route], the routing weight and the
@@ -318,7 +322,7 @@ if HAS_GLUON:
 
             y = _run_product(w_base, w_offs, s_base, s_offs, x_ptr, x_offs, kb0, kb_last, last, w_c, w_s, w_x,
                              k_c, k_s, k_x, K, EVEN_K, DECODE, WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, MMA, W4, A_OP,
-                             B_OP, ACC_B, O2)
+                             B_OP, ACC_B, O2, ROW_POINTERS)
             done, y = _reduce_tile(y, tile, pid, 0, ctas, total, NB, first_tile, slots_per_cta, part_ptr, part_offs,
                                    cnt_ptr + tile, BLOCK_M, BLOCK_T, O2)
             if done:
