@@ -409,9 +409,10 @@ def test_dispatch_decode_rows(monkeypatch):
                 for w4a4 in (False, True):  # weight-only for W4A4 checkpoints too
                     p = plan(t, name, cap, w4a4)
                     assert (p.impl, p.kernel, p.block_m) == ("decode", "w4a16", 0), (cap, name, t, w4a4)
-                    # the expert-major down by TMA at I <= 512 only.
+                    # the expert-major down by TMA at I <= 512, and at T = 6-8 up to I = 768.
                     i = H200_SHAPES[name][1]
-                    assert p.down.use_tma == (p.decode_down == "expert" and i <= M.DECODE_TMA_DOWN_MAX_I)
+                    mid = 5 <= t <= 16 and i <= 768
+                    assert p.down.use_tma == (p.decode_down == "expert" and (i <= M.DECODE_TMA_DOWN_MAX_I or mid))
                     assert p.down.shift_decode == (t > 2 or i > M.DECODE_TMA_DOWN_MAX_I)
                     # The streaming Gluon gate_up where it won on the H100 (runs 63-68): H = 7168 at T = 1-8,
                     # H = 4096 at T = 2-8 (32 x 8), H = 2048 at T = 4-8 (64 x 8 over two row warps).
@@ -450,8 +451,15 @@ def test_dispatch_decode_rows(monkeypatch):
     # Qwen3-30B-A3B at T = 32 (2 routes per expert) is the decode plan's; 4 routes per expert are the tiers'.
     assert plan(32).impl == "decode" and plan(16).impl == "decode"
     assert plan(32, global_experts=64).impl != "decode"
-    assert [plan(t, "qwen3-next-80b").decode_down for t in (1, 4, 8, 32)] == ["expert", "expert", "token", "token"]
+    assert [plan(t, "qwen3-next-80b").decode_down for t in (1, 4, 5, 6, 8, 32)] == [
+        "expert", "expert", "expert", "token", "token", "token"]
     assert plan(1).down == plan(4).down == M.DECODE_DOWN_TILES[M.DECODE_POINTER_DOWN_TILE]  # I = 768
+    # ... but the TMA tile at T = 5-16 (H200 runs 69 and 71, H100 run 68), not on the wider layers
+    tma_down = M.DECODE_DOWN_TILES["exp-n64k256-w2-tma-st2-shift"]
+    assert [plan(t).down == tma_down for t in (4, 5, 8, 16, 17)] == [False, True, True, True, False]
+    assert plan(17).down == plan(4).down == M.DECODE_DOWN_TILES[M.DECODE_POINTER_DOWN_TILE]
+    assert plan(6, "qwen3-235b-a22b").down == M.DECODE_DOWN_TILES[M.DECODE_POINTER_DOWN_TILE]  # I = 1536
+    assert plan(6, intermediate=784).down == M.DECODE_DOWN_TILES[M.DECODE_POINTER_DOWN_TILE]
     assert plan(1, "qwen3-next-80b").down == M.DECODE_DOWN_TILES["exp-n32k256-w2-tma-st2"]  # I = 512
     assert plan(4, "qwen3-next-80b").down == M.DECODE_DOWN_TILES["exp-n64k256-w2-tma-st2-shift"]
     assert plan(8, "qwen3-next-80b").down == M.DECODE_DOWN_TILES[M.DECODE_TOKEN_DOWN_TILE]
@@ -541,7 +549,7 @@ def _gpu_ref(p, activation="silu"):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 2, 3, 5, 16, 32])
+@pytest.mark.parametrize("t", [1, 2, 3, 5, 6, 8, 12, 16, 32])
 @pytest.mark.parametrize("name", list(H200_SHAPES))
 def test_gpu_op_runs_the_decode_plan(name, t):
     from vllm_nvfp4_sm120.dispatch.moe_flow import plan_for

@@ -237,10 +237,12 @@ DECODE_MAX_TOKENS = 64
 DECODE_WIDE_MAX_TOKENS = 16
 DECODE_LATE_MAX_ROUTES_PER_EXPERT = W4A4_MIN_TOKENS_PER_EXPERT
 # The token-major down kernel from this T on where I <= DECODE_TOKEN_DOWN_MAX_I (measured: Qwen3-Next-80B, I = 512:
-# the token-major tile best at T = 8-32 by 1.2-1.8x in runs 23-25; at T = 4 the expert-major one).  Likely why: its
-# down GEMM is two K steps per route and with 512 experts few routes share one, so the expert-major dedupe saves
-# little against its atomics and tile counting.
-DECODE_TOKEN_DOWN_MIN_T = 8
+# the token-major tile best at T = 8-32 by 1.2-1.8x in runs 23-25; at T = 4 the expert-major one; beside the
+# streaming gate_up at T = 6 1.04x the TMA expert-major down in the layer in H200 runs 69 and 71 (67.0 against 69.6 /
+# 69.7 us) and ahead of it in H100 run 68, at T = 7 level (74.1 against 75.1, run 71), at T = 5 behind (63.2 against
+# 61.1)).  Likely why: its down GEMM is two K steps per route and with 512 experts few routes share one, so the
+# expert-major dedupe saves little against its atomics and tile counting.
+DECODE_TOKEN_DOWN_MIN_T = 6
 DECODE_TOKEN_DOWN_MAX_I = 512
 DECODE_TOKEN_DOWN_TILE = "tok-n32k128-w1-st3-shift"
 # The expert-major down by pointer loads where I > DECODE_TMA_DOWN_MAX_I, at every decode T.  H200 run 35: the kernel
@@ -250,6 +252,15 @@ DECODE_TOKEN_DOWN_TILE = "tok-n32k128-w1-st3-shift"
 # (two K steps per route) TMA was 6-38 % faster at T = 2-16 (Qwen3-Next-80B), so the rows' TMA tiles stay there.
 DECODE_TMA_DOWN_MAX_I = 512
 DECODE_POINTER_DOWN_TILE = "exp-n64k256-w2-st2-shift"
+# ... except at these T up to this I (Qwen3-30B-A3B, I = 768), where the rows' TMA tile stays.  H200 run 71, the
+# layer with the table's gate_up: 1.07 / 1.08 / 1.08 / 1.06 / 1.07 / 1.10x the pointer tile at T = 5 / 6 / 7 / 8 / 12
+# / 16 (61.9 / 66.5 / 76.0 / 81.8 / 117.1 / 136.2 against 66.2 / 71.5 / 82.1 / 86.7 / 125.7 / 149.3 us); run 69 the
+# same at T = 6 / 8 (1.08 / 1.06x; alone 1.20 / 1.15x), H100 run 68 the best down beside every gate_up at T = 6; at
+# T = 4 the pointer tile won (53.9 against 55.5 us, run 69).  (The token-major down was ahead of both at T = 8 and 16
+# by 2 and 6 %, behind at T = 5-7 and 12: no rule at I = 768 from one run.)  Decode T run in CUDA graphs, so the TMA
+# launch's descriptor encoding costs no host time there.  T > 16 not measured.
+DECODE_TMA_DOWN_MID_T = (5, 16)
+DECODE_TMA_DOWN_MID_MAX_I = 768
 # The gate_up of the widest layers at small T: one warp over 64 stacked rows (gate and up of 32 columns), each
 # activation fragment shared by 64 weight rows over a long K loop.  H200, DeepSeek-V3 (H = 7168; run 43: 65.6 / 110.4
 # / 223.4 / 402.8 us against the rows' tiles' 72.5 / 130.0 / 242.0 / 415.7 at T = 1 / 2 / 4 / 8; the layer side by
@@ -369,7 +380,9 @@ def decode_tier_plan(cap: Capability, num_tokens: int, *, hidden: int, intermedi
     gate_up = DECODE_GATE_UP_TILES[DECODE_WIDE_GATE_UP_TILE if wide else name]
     if token:
         down_name = DECODE_TOKEN_DOWN_TILE
-    elif intermediate > DECODE_TMA_DOWN_MAX_I:
+    elif intermediate > DECODE_TMA_DOWN_MAX_I and not (
+            DECODE_TMA_DOWN_MID_T[0] <= num_tokens <= DECODE_TMA_DOWN_MID_T[1]
+            and intermediate <= DECODE_TMA_DOWN_MID_MAX_I):
         down_name = DECODE_POINTER_DOWN_TILE
     down = DECODE_DOWN_TILES[down_name]
     tma = tma_ok(hidden), tma_ok(intermediate)
@@ -555,14 +568,14 @@ def all_moe_plans(cap: Capability) -> list[MoePlan]:
                         gluon = as_gluon(plan, inter)
                         if gluon is not None and gluon not in plans:
                             plans.append(gluon)
-    # Decode: every row, on both down kernels (the token-major rule and determinism), with and without TMA.
-    for t in sorted({r[0] for r in _DECODE_ROWS.get(cap.family, ())}):  # each row's largest T
-        for inter in (4096, DECODE_TOKEN_DOWN_MAX_I, 4096 + 16, DECODE_TOKEN_DOWN_MAX_I - 16):
-            for hidden in (4096, 4096 + 16, DECODE_WIDE_GATE_UP_MIN_H):
-                for tt in {t, max(t, DECODE_TOKEN_DOWN_MIN_T)}:
-                    plan = decode_tier_plan(cap, tt, hidden=hidden, intermediate=inter)
-                    if plan not in plans:
-                        plans.append(plan)
+    # Decode: every T, on both sides of each I and H rule (the down kernel and its TMA, the gate_up rows).
+    for tt in range(1, DECODE_MAX_TOKENS + 1) if cap.family in _DECODE_ROWS else ():
+        for inter in (4096, 4096 + 16, DECODE_TMA_DOWN_MID_MAX_I, DECODE_TOKEN_DOWN_MAX_I,
+                      DECODE_TOKEN_DOWN_MAX_I - 16):
+            for hidden in (2048, 4096, 4096 + 16, DECODE_WIDE_GATE_UP_MIN_H):
+                plan = decode_tier_plan(cap, tt, hidden=hidden, intermediate=inter)
+                if plan not in plans:
+                    plans.append(plan)
     for max_t, max_h, _, _ in _DECODE_FUSED_ROWS.get(cap.family, ()):  # the fused rows' plans
         plan = decode_tier_plan(cap, max_t, hidden=max_h, intermediate=4096)
         if plan not in plans:
