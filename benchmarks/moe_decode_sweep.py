@@ -127,16 +127,12 @@ STREAM_GATE_UP = {
     "gus-m64t8-rw2": MoeStreamTile(64, 8, num_warps=4, row_warps=2, ctas_per_sm=3),
     "gus-m32t8-w2": MoeStreamTile(32, 8, num_warps=2, ctas_per_sm=6),
 }
-# The next run's first steps (2) or whole run (8 steps covers the 16 blocks of H = 2048 at two warps over K) asked of
-# L2 when a run starts ("-pf2", "-pf8"): a CTA's range is 2-3 runs on the narrow layers, each starting on a DRAM
-# round trip after the previous run's reduction.
-for _name in ("gus-m32t8", "gus-m64t8-rw2"):
-    for _steps in (2, 8):
-        STREAM_GATE_UP[f"{_name}-pf{_steps}"] = replace(STREAM_GATE_UP[_name], prefetch_steps=_steps)
 # 64-bit row pointers once per run ("-rp"): one wide multiply-add per load address instead of ~3.5 instructions,
 # 24.5 instead of 25.8 instructions per code word on sm_90 and 13.8 instead of 15.9 on sm_120, at 162-168 registers
-# (still 3 CTAs).
-for _name in ("gus-m32t8", "gus-m64t8-rw2", "gus-m64t8-rw2-pf8"):
+# (still 3 CTAs).  H200 run 69: level with the same tiles (-7 to +5 %), so not in the table; on sm_120 the change
+# is 13 % of the loop.  (An L2 prefetch of the next run's first steps when a run starts was slower on all but
+# one row of the same run, by up to 31 %, and was removed.)
+for _name in ("gus-m32t8", "gus-m64t8-rw2"):
     STREAM_GATE_UP[f"{_name}-rp"] = replace(STREAM_GATE_UP[_name], row_pointers=True)
 DOWN = {  # name: (kernel, deterministic, tile)
     "tok-n16k256-w1": ("token", False, DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True)),

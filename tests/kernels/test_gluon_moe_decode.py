@@ -45,13 +45,12 @@ def test_tile_rules():
     assert gm.MoeStreamTile(32, 8).columns == 16
     for bad in (dict(block_m=48, block_t=8), dict(block_m=32, block_t=12), dict(block_m=32, block_t=8, num_warps=3),
                 dict(block_m=32, block_t=8, ctas_per_sm=0), dict(block_m=32, block_t=8, row_warps=2, num_warps=2,
-                                                                  max_regs=8),
-                dict(block_m=32, block_t=8, prefetch_steps=3)):
+                                                                  max_regs=8)):
         with pytest.raises(ValueError, match="MoeStreamTile"):
             gm.MoeStreamTile(**bad)
     assert gm.MoeStreamTile(32, 8, max_regs=128).launch_options == {"num_warps": 4, "maxnreg": 128}
-    assert gm.MoeStreamTile(64, 8, row_warps=2, prefetch_steps=2).constexprs == dict(
-        BLOCK_M=64, BLOCK_T=8, WARPS=4, ROW_WARPS=2, PREFETCH=2, ROW_POINTERS=False)
+    assert gm.MoeStreamTile(64, 8, row_warps=2).constexprs == dict(
+        BLOCK_M=64, BLOCK_T=8, WARPS=4, ROW_WARPS=2, ROW_POINTERS=False)
     assert gm.MoeStreamTile(32, 8, row_pointers=True).constexprs["ROW_POINTERS"] is True
 
 
@@ -352,17 +351,6 @@ def test_the_dispatch_tiles_are_among_the_compiled_ones():
         assert used and used <= set(TILES.values()), cc
 
 
-def _require_prefetch(rep, tile):
-    """A prefetching tile asks L2 for the next run's lines (predicated, outside the main loop); others never do."""
-    if tile.prefetch_steps:
-        rep.require_ptx(r"@p prefetch\.global\.L2").require_sass(r"CCTL\.E\.PF2")
-        # one line of codes and one of scales per row a lane holds (BMW / 8 rows)
-        assert rep.sass.count("CCTL.E.PF2") == 2 * (tile.block_m // tile.row_warps // 8)
-        assert "CCTL" not in " ".join(main_loop(rep.sass).ops)
-    else:
-        assert not rep.has_ptx(r"prefetch\.global")
-
-
 # (name, mode): the sweep's gate_up and down tiles, each in its mode
 JOBS = [(n, False) for n in TILES] + [(n, True) for n in SWEEP.STREAM_DOWN]
 
@@ -380,7 +368,6 @@ def test_sweep_tiles_compile_for_sm120(name, down):
     rep.require_sass(r"HMMA\.16816\.F32\.BF16").require_ptx(r"atom\.global\.gpu\.acq_rel\.add")
     if down:  # the routing-weighted rows added into the token's fp32 sums
         rep.require_ptx(r"red\.global\.gpu\.add\.f32|atom\.global\.gpu\.(relaxed\.)?add\.f32")
-    _require_prefetch(rep, tile)
     loop = main_loop(rep.sass)
     words = _words(tile)
     # one 16-byte load per row and step for the codes, four per token row and step for the activations
@@ -398,7 +385,6 @@ def test_sweep_tiles_compile_for_sm90_with_the_shift_decode(name, down):
     tile = _tile(name, down)
     rep = compile_tile(tile, arch=90, decode=2, down=down).require_no_local()
     assert not rep.has_ptx("e2m1")
-    _require_prefetch(rep, tile)
     loop = main_loop(rep.sass)
     words = _words(tile)
     assert loop.count(r"HMUL2\.BF16_V2") == 4 * words, loop.ops
@@ -514,11 +500,10 @@ def test_gpu_zeroes_the_buffer_reruns_bit_identical_and_replays():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [n for n in TILES if TILES[n].prefetch_steps or TILES[n].row_pointers])
-def test_gpu_prefetch_and_row_pointers_change_no_bit(name):
-    """The next run's L2 prefetch only moves bytes earlier and the row pointers only compute the same addresses
-    another way: the gate_up's bits are the tile's without either, and the tile as the streaming down too (its own
-    mode) matches the reference."""
+@pytest.mark.parametrize("name", [n for n in TILES if TILES[n].row_pointers])
+def test_gpu_row_pointers_change_no_bit(name):
+    """The row pointers only compute the same addresses another way: the gate_up's bits are the tile's without
+    them, and the tile as the streaming down too (its own mode) matches the reference."""
     from dataclasses import replace
 
     t, e, k, h, i = 6, 128, 8, 2048, 768
@@ -526,7 +511,7 @@ def test_gpu_prefetch_and_row_pointers_change_no_bit(name):
     tile = TILES[name]
     first = gm.moe_stream_gate_up(x, w13.codes, w13.scales, d13, ti, tile=tile)
     plain = gm.moe_stream_gate_up(x, w13.codes, w13.scales, d13, ti,
-                                  tile=replace(tile, prefetch_steps=0, row_pointers=False))
+                                  tile=replace(tile, row_pointers=False))
     assert torch.equal(first, plain)
     out = moe_decode(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, gate_up_tile=tile,
                      down_tile=tile, down="expert")

@@ -47,9 +47,6 @@ from .gluon_gemv_stream import DECODE_NAMES, K_BLOCK, default_stream_decode
 if HAS_GLUON:
     from .gluon_gemv_stream import _EPILOGUE_SHIFT, _reduce_tile, _run_product
 
-    # An L2 prefetch of the line at $1 where $2 is non-zero ($0: an unused result, so that the statement is kept).
-    _PREFETCH_L2_IF = gl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; } // $0")
-
 
 @dataclass(frozen=True)
 class MoeStreamTile:
@@ -58,9 +55,6 @@ class MoeStreamTile:
     :class:`.gluon_gemv_stream.StreamTile`;
     ``ctas_per_sm``: the fixed grid is that many CTAs per SM of the GPU (as many as its registers let one SM hold,
     so the whole grid runs at once);
-    ``prefetch_steps``: when a CTA starts a run and another follows it in its range, it first asks L2 for the first
-    that many steps of the next run's codes and scales (``prefetch.global.L2``, no registers held across the run),
-    so that the next run's first loads find L2 instead of DRAM; 0: none;
     ``row_pointers``: 64-bit row pointers per run instead of 32-bit offsets on a base (see
     :func:`.gluon_gemv_stream._run_product`): fewer address instructions, a few more registers."""
 
@@ -70,7 +64,6 @@ class MoeStreamTile:
     row_warps: int = 1
     max_regs: int | None = None
     ctas_per_sm: int = 2
-    prefetch_steps: int = 0
     row_pointers: bool = False
 
     def __post_init__(self):
@@ -81,8 +74,6 @@ class MoeStreamTile:
         register_cap_option("MoeStreamTile", self.max_regs)
         if not 1 <= self.ctas_per_sm <= 32:
             raise ValueError(f"MoeStreamTile: ctas_per_sm = {self.ctas_per_sm} (expected 1..32)")
-        if self.prefetch_steps not in (0, 1, 2, 4, 8):
-            raise ValueError(f"MoeStreamTile: prefetch_steps = {self.prefetch_steps} (expected 0, 1, 2, 4 or 8)")
 
     def ctas(self, device) -> int:
         """The grid on ``device``'s GPU."""
@@ -101,7 +92,7 @@ class MoeStreamTile:
     def constexprs(self) -> dict:
         """The kernel's compile-time arguments this tile sets."""
         return dict(BLOCK_M=self.block_m, BLOCK_T=self.block_t, WARPS=self.num_warps, ROW_WARPS=self.row_warps,
-                    PREFETCH=self.prefetch_steps, ROW_POINTERS=self.row_pointers)
+                    ROW_POINTERS=self.row_pointers)
 
 
 @dataclass(frozen=True)
@@ -161,7 +152,7 @@ MOE_STREAM_SIGNATURE = {
     "tiles_e": "i32", "slots_per_cta": "i32", "zero_numel": "i32", "zero_chunk": "i32",
     "DOWN": "constexpr", "ACTIVATION": "constexpr", "HAS_MAP": "constexpr", "ZERO": "constexpr",
     "S_BLOCK": "constexpr", "DECODE": "constexpr", "EVEN_K": "constexpr", "BLOCK_M": "constexpr",
-    "BLOCK_T": "constexpr", "WARPS": "constexpr", "ROW_WARPS": "constexpr", "PREFETCH": "constexpr",
+    "BLOCK_T": "constexpr", "WARPS": "constexpr", "ROW_WARPS": "constexpr",
     "ROW_POINTERS": "constexpr",
 }
 MOE_STREAM_DIVISIBLE = [k for k, v in MOE_STREAM_SIGNATURE.items() if v.startswith("*")] + [
@@ -198,7 +189,7 @@ if HAS_GLUON:
         DOWN: gl.constexpr, ACTIVATION: gl.constexpr, HAS_MAP: gl.constexpr, ZERO: gl.constexpr,
         S_BLOCK: gl.constexpr, DECODE: gl.constexpr, EVEN_K: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr, WARPS: gl.constexpr, ROW_WARPS: gl.constexpr,
-        PREFETCH: gl.constexpr, ROW_POINTERS: gl.constexpr,
+        ROW_POINTERS: gl.constexpr,
     ):
         # gate_up (DOWN false): N = I columns, a row tile = HALF gate rows + the same columns' up rows of w13[e],
         # activations x[token]; down: N = H rows of w2[e], activations inter[route], the routing weight and the
@@ -315,10 +306,6 @@ if HAS_GLUON:
             w_offs = wrow_c * stride_ww + k_c
             s_base = ws_ptr + e.to(gl.int64) * stride_wse
             s_offs = wrow_s * stride_wsn + k_s
-            if PREFETCH > 0:
-                if run_end < b_end:  # the next run: block 0 of the next row tile
-                    _prefetch_run(w_ptr, ws_ptr, tile + 1, nth_b, ids_b, tiles_e, stride_we, stride_ww, stride_wse,
-                                  stride_wsn, N, NB, DOWN, PREFETCH, BLOCK_M, WARPS, ROW_WARPS)
 
             y = _run_product(w_base, w_offs, s_base, s_offs, x_ptr, x_offs, kb0, kb_last, last, w_c, w_s, w_x,
                              k_c, k_s, k_x, K, EVEN_K, DECODE, WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, MMA, W4, A_OP,
@@ -336,37 +323,6 @@ if HAS_GLUON:
                     _gate_up_epilogue(y * dec, route, count, j, out_ptr, stride_om, N, ACTIVATION, HALF, BLOCK_T,
                                       Y3)
             b = run_end
-
-    @gluon.jit
-    def _prefetch_run(w_ptr, ws_ptr, tile, nth_b, ids_b, tiles_e, stride_we, stride_ww, stride_wse, stride_wsn, N,
-                      NB, DOWN: gl.constexpr, STEPS: gl.constexpr, BLOCK_M: gl.constexpr, WARPS: gl.constexpr,
-                      ROW_WARPS: gl.constexpr):
-        """L2 prefetch of the first ``STEPS`` steps (``STEPS * KW`` blocks) of row tile ``tile``'s codes and scales,
-        by 128-byte lines: lane (g, c) of warp (kw, rw) takes line ``4 * kw + c`` of rows ``rw * BMW + g + 8i``."""
-        BMW: gl.constexpr = BLOCK_M // ROW_WARPS
-        KW: gl.constexpr = WARPS // ROW_WARPS
-        HALF: gl.constexpr = BLOCK_M // 2
-        PL: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 8, 4], [WARPS, 1, 1], [2, 1, 0])
-        q = tile // tiles_e
-        j = tile - q * tiles_e
-        e = gl.max(gl.where(nth_b == q + 1, ids_b, -1), axis=0)
-        w_p = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, PL)))[:, None, None]
-        m_p = gl.arange(0, BMW, layout=gl.SliceLayout(0, gl.SliceLayout(2, PL)))[None, :, None]
-        c_p = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, PL)))[None, None, :]
-        row = (w_p % ROW_WARPS) * BMW + m_p
-        line = (w_p // ROW_WARPS) * 4 + c_p
-        if DOWN:
-            wrow = gl.minimum(j * BLOCK_M + row, N - 1)
-        else:
-            wrow = (row // HALF) * N + gl.minimum(j * HALF + row % HALF, N - 1)
-        blocks = gl.minimum(NB, STEPS * KW)
-        # codes: 64 bytes (16 words) per row and block, so a line holds two blocks; scales: 8 bytes, so 16
-        codes = w_ptr + e.to(gl.int64) * stride_we + (wrow * stride_ww + line * 32)
-        gl.inline_asm_elementwise(_PREFETCH_L2_IF, "=r,l,r", [codes.to(gl.int64), (line * 2 < blocks).to(gl.int32)],
-                                  gl.int32, False, 1)
-        scales = ws_ptr + e.to(gl.int64) * stride_wse + (wrow * stride_wsn + line * 128)
-        gl.inline_asm_elementwise(_PREFETCH_L2_IF, "=r,l,r", [scales.to(gl.int64), (line * 16 < blocks).to(gl.int32)],
-                                  gl.int32, False, 1)
 
     @gluon.jit
     def _gate_up_epilogue(y, route, count, j, out_ptr, stride_om, I, ACTIVATION: gl.constexpr, HALF: gl.constexpr,
