@@ -409,7 +409,7 @@ def test_dispatch_decode_rows(monkeypatch):
                 for w4a4 in (False, True):  # weight-only for W4A4 checkpoints too
                     p = plan(t, name, cap, w4a4)
                     assert (p.impl, p.kernel, p.block_m) == ("decode", "w4a16", 0), (cap, name, t, w4a4)
-                    # the expert-major down by TMA at I <= 512, and at T = 6-8 up to I = 768.
+                    # the expert-major down by TMA at I <= 512, and at T = 5-16 up to I = 768.
                     i = H200_SHAPES[name][1]
                     mid = 5 <= t <= 16 and i <= 768
                     assert p.down.use_tma == (p.decode_down == "expert" and (i <= M.DECODE_TMA_DOWN_MAX_I or mid))

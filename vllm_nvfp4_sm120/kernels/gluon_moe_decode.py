@@ -152,8 +152,7 @@ MOE_STREAM_SIGNATURE = {
     "tiles_e": "i32", "slots_per_cta": "i32", "zero_numel": "i32", "zero_chunk": "i32",
     "DOWN": "constexpr", "ACTIVATION": "constexpr", "HAS_MAP": "constexpr", "ZERO": "constexpr",
     "S_BLOCK": "constexpr", "DECODE": "constexpr", "EVEN_K": "constexpr", "BLOCK_M": "constexpr",
-    "BLOCK_T": "constexpr", "WARPS": "constexpr", "ROW_WARPS": "constexpr",
-    "ROW_POINTERS": "constexpr",
+    "BLOCK_T": "constexpr", "WARPS": "constexpr", "ROW_WARPS": "constexpr", "ROW_POINTERS": "constexpr",
 }
 MOE_STREAM_DIVISIBLE = [k for k, v in MOE_STREAM_SIGNATURE.items() if v.startswith("*")] + [
     "N", "K", "stride_xt", "stride_we", "stride_ww", "stride_wse", "stride_wsn", "stride_om",
