@@ -286,6 +286,14 @@ STREAM_DOWN = {
     "dns-m64t8-rw2": ("expert", False, MoeStreamTile(64, 8, num_warps=4, row_warps=2, ctas_per_sm=2)),
     "dns-m32t8-w2": ("expert", False, MoeStreamTile(32, 8, num_warps=2, ctas_per_sm=5)),
 }
+# The cast by the last CTA ("-lc"): each run's products go straight into the sums by atomic adds, with no partial
+# sums for shared row tiles and no count per token and tile; one arrival per CTA, and the last casts all [T, H].
+# A run of the down is 4-16 blocks of 128 (K = I), so the chain of dependent L2 round trips after each run (the
+# count, then the sum load) is a large part of it.
+# (16 x 8 with it uses 8 bytes of stack on sm_120, and 16 x 8 lost to the others in runs 66-67: not a candidate.)
+for _name in ("dns-m32t8", "dns-m64t8-rw2"):
+    _kind, _det, _tile = STREAM_DOWN[_name]
+    STREAM_DOWN[f"{_name}-lc"] = (_kind, _det, replace(_tile, late_cast=True))
 ANY_DOWN = DOWN | STREAM_DOWN  # after every DOWN entry above
 # What a run sweeps without --gate-up / --down (about ten kernel tiles: each compiles once per routing bucket, and
 # the compiles are most of the ~4 minutes); the others are there for a focused second run.

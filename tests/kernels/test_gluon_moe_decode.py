@@ -11,6 +11,7 @@ odd and real shapes, both activations, maps, fp16, the zeroed down workspace, bi
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -50,8 +51,9 @@ def test_tile_rules():
             gm.MoeStreamTile(**bad)
     assert gm.MoeStreamTile(32, 8, max_regs=128).launch_options == {"num_warps": 4, "maxnreg": 128}
     assert gm.MoeStreamTile(64, 8, row_warps=2).constexprs == dict(
-        BLOCK_M=64, BLOCK_T=8, WARPS=4, ROW_WARPS=2, ROW_POINTERS=False)
+        BLOCK_M=64, BLOCK_T=8, WARPS=4, ROW_WARPS=2, ROW_POINTERS=False, LATE_CAST=False)
     assert gm.MoeStreamTile(32, 8, row_pointers=True).constexprs["ROW_POINTERS"] is True
+    assert gm.MoeStreamTile(32, 8, late_cast=True).constexprs["LATE_CAST"] is True
 
 
 def test_grid_sizes_the_largest_list():
@@ -65,6 +67,7 @@ def test_grid_sizes_the_largest_list():
     d = gm.moe_stream_grid(8, 128, 2048, 768, tile, 396, down=True)  # the down: H rows in tiles of block_m, K = I
     assert (d.tiles_e, d.blocks_per_row) == (64, 6)
     assert gm.down_workspace_numel(3, 2048, tile) == 3 * 2048 + 3 * 64
+    assert gm.down_workspace_numel(3, 2048, gm.MoeStreamTile(32, 8, late_cast=True)) == 3 * 2048 + 1  # one count
     with pytest.raises(ValueError, match="32-bit"):
         gm.moe_stream_grid(1024, 256, 2048, 7168, tile, 10**6)
 
@@ -138,7 +141,8 @@ def kernel_model(x, w13, d13, ti, emap, tile, ctas, activation="silu", cta_order
     returns the intermediate (rows of routes without a local expert NaN).  down (``tw``: the routing weights):
     ``x`` the intermediate ``[T * top_k, I]``, ``w13`` the down bank, returns ``[T, H]`` as the atomic epilogue
     leaves it (tokens without a local expert zero).  Checks that every counter ends at zero and that each token's
-    tile is cast once, after its last local expert."""
+    tile is cast once, after its last local expert; with ``tile.late_cast`` every run adds into the sums and the
+    last CTA to arrive casts them all, once."""
     down = tw is not None
     top_k = ti.shape[1]
     e, n_w, kk = w13.codes.shape[0], w13.codes.shape[1], x.shape[1]
@@ -162,7 +166,9 @@ def kernel_model(x, w13, d13, ti, emap, tile, ctas, activation="silu", cta_order
     sums = torch.zeros(t, n, dtype=torch.float32)  # the down's atomic sums (fp32, as the kernel adds)
     n_local = [sum(1 for a in range(tok * top_k, (tok + 1) * top_k) if ids[a] >= 0) for tok in range(t)]
     tile_counts = [[0] * tiles_e for _ in range(t)]
-    for tok in range(t) if down else ():
+    late = down and tile.late_cast
+    arrivals = 0
+    for tok in range(t) if down and not late else ():
         if n_local[tok] == 0:
             out[tok] = 0.0
     partials, counters = {}, [0] * grid.counters_numel
@@ -191,6 +197,12 @@ def kernel_model(x, w13, d13, ti, emap, tile, ctas, activation="silu", cta_order
                     r = routes[c if c < len(routes) else 0]
                     y[:, c] += w[ex][rows, k0:k1] @ xs[r if down else r // top_k, k0:k1]
             y = y.float()
+            if late:  # this run's share straight into the sums: no partial slots, no count per token and tile
+                for c, r in enumerate(routes):
+                    live = [j * tile.block_m + m for m in range(tile.block_m) if j * tile.block_m + m < n]
+                    sums[r // top_k, live] += y[: len(live), c] * float(d13[ex]) * float(tw.reshape(-1)[r])
+                b = run_end
+                continue
             p_first = ((tl_ * nb + 1) * ctas - 1) // total
             p_last = ((tl_ + 1) * nb * ctas - 1) // total
             done = p_first == p_last
@@ -227,7 +239,13 @@ def kernel_model(x, w13, d13, ti, emap, tile, ctas, activation="silu", cta_order
                         if j * half + col < n:
                             out[r, j * half + col] = inter[col, c]
             b = run_end
-    assert not any(counters), "every counter is back at zero"
+        if late:  # every CTA of the grid arrives once, an empty range too; the last casts every token
+            arrivals += 1
+            if arrivals == grid.ctas:
+                assert out.isnan().all(), "the sums are cast once"
+                out = sums.double()
+                arrivals = 0  # the last CTA resets the count
+    assert not any(counters) and not arrivals, "every counter is back at zero"
     return out
 
 
@@ -275,6 +293,12 @@ DOWN_MODEL_CASES = [  # (T, E, top_k, H, I, map, tile, ctas)
     (8, 8, 8, 96, 144, False, gm.MoeStreamTile(32, 8), 64),
     (16, 60, 10, 80, 256, False, gm.MoeStreamTile(32, 16), 11),
     (1, 8, 1, 1040, 96, False, gm.MoeStreamTile(32, 8), 396),  # a list shorter than the grid
+    # the cast by the last CTA: tiles shared by CTAs, a map with tokens that have no local expert, a short list
+    (3, 60, 4, 176, 336, True, gm.MoeStreamTile(16, 8, late_cast=True), 7),
+    (8, 8, 8, 96, 144, False, gm.MoeStreamTile(32, 8, late_cast=True), 64),
+    (16, 60, 10, 80, 256, False, gm.MoeStreamTile(32, 16, late_cast=True), 11),
+    (1, 8, 1, 1040, 96, False, gm.MoeStreamTile(32, 8, late_cast=True), 396),
+    (4, 16, 1, 80, 96, True, gm.MoeStreamTile(32, 8, late_cast=True), 5),
 ]
 
 
@@ -417,6 +441,25 @@ def test_row_pointers_take_fewer_address_instructions(name, arch, decode):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("arch,decode", [(120, 0), (90, 2)])
+def test_late_cast_ends_a_run_with_its_adds(arch, decode):
+    """The down with the cast by the last CTA: one acquire-release atomic (the CTA's arrival) where the tile's
+    protocol has the shared tile's count and the per-token count; the same loads, decode and MMAs in the main loop."""
+    from dataclasses import replace
+
+    tile = SWEEP.STREAM_DOWN["dns-m32t8-lc"][2]
+    late = compile_tile(tile, arch=arch, decode=decode, down=True).require_no_local().require_smem()
+    plain = compile_tile(replace(tile, late_cast=False), arch=arch, decode=decode, down=True)
+    arrive = r"atom\.global\.gpu\.acq_rel\.add"
+    assert len(re.findall(arrive, late.ptx)) == 1 and len(re.findall(arrive, plain.ptx)) >= 2
+    assert late.has_ptx(r"red\.global\.gpu\.add\.f32|atom\.global\.gpu\.(relaxed\.)?add\.f32")
+    loop, plain_loop = main_loop(late.sass), main_loop(plain.sass)
+    for op in (r"HMMA.*", r"HMUL2.*", r"F2FP\.BF16\.E2M1.*", r"LDG.*", r"LOP3.*", r"IMAD\.HI.*"):
+        assert loop.count(op) == plain_loop.count(op), (op, loop.ops, plain_loop.ops)
+    print(late.summary(), f"{loop.total} loop instructions;", plain.summary(), f"{plain_loop.total}")
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("arch,decode,dtype,even_k,activation", [(120, 0, "fp16", False, "gelu_tanh"),
                                                                  (90, 2, "fp16", False, "gelu_tanh"),
                                                                  (90, 1, "bf16", True, "silu")])
@@ -519,11 +562,12 @@ def test_gpu_row_pointers_change_no_bit(name):
 
 
 @pytest.mark.gpu
-def test_gpu_stream_layer_replays_under_a_graph():
+@pytest.mark.parametrize("down_name", ["dns-m32t8", "dns-m32t8-lc"])
+def test_gpu_stream_layer_replays_under_a_graph(down_name):
     t, e, k, h, i = 4, 128, 8, 2048, 768
     x, w13, d13, w2, d2, tw, ti, _ = _problem(t, e, k, h, i, device="cuda")
     ref = moe_ref(x, w13, d13, w2, d2, tw, ti)
-    gate, down = TILES["gus-m32t8"], SWEEP.STREAM_DOWN["dns-m32t8"][2]
+    gate, down = TILES["gus-m32t8"], SWEEP.STREAM_DOWN[down_name][2]
     layer = lambda out=None: moe_decode(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti,  # noqa: E731
                                         gate_up_tile=gate, down_tile=down, down="expert", out=out)
     eager = layer()

@@ -8,7 +8,8 @@ One kernel, two modes, for calls of at most ``block_t`` tokens:
 * down (:func:`moe_stream_down`): the atomic mode of :func:`.moe_decode.moe_decode_down_expert` (each route's
   product times its routing weight added by fp32 atomics into its token's sums, which the gate_up kernel zeroes; the
   add that completes a token's row tile, counted per token and tile, casts it into ``out``; tokens without a local
-  expert get zeros).  The order of a token's experts in its sums varies run to run: no deterministic mode.
+  expert get zeros; or, with :attr:`MoeStreamTile.late_cast`, the last CTA to finish casts all of them).  The order
+  of a token's experts in its sums varies run to run: no deterministic mode.
 
 What differs from the Triton decode kernels is the loop: they decode a weight tile into one layout and hand it to
 ``tl.dot`` through another, while this kernel runs the step of :mod:`.gluon_gemv_stream` (each lane's 16-byte code
@@ -56,7 +57,11 @@ class MoeStreamTile:
     ``ctas_per_sm``: the fixed grid is that many CTAs per SM of the GPU (as many as its registers let one SM hold,
     so the whole grid runs at once);
     ``row_pointers``: 64-bit row pointers per run instead of 32-bit offsets on a base (see
-    :func:`.gluon_gemv_stream._run_product`): fewer address instructions, a few more registers."""
+    :func:`.gluon_gemv_stream._run_product`): fewer address instructions, a few more registers;
+    ``late_cast`` (the down; the gate_up ignores it): each run's products go straight into the fp32 sums, with no
+    partial sums for row tiles shared by CTAs and no count per token and row tile, and the last CTA to finish (one
+    arrival per CTA) casts the whole ``[T, H]`` sums into the output: a run ends with its atomic adds instead of a
+    chain of dependent round trips to L2 (partial store, count, sum load), paid once per CTA instead."""
 
     block_m: int
     block_t: int
@@ -65,6 +70,7 @@ class MoeStreamTile:
     max_regs: int | None = None
     ctas_per_sm: int = 2
     row_pointers: bool = False
+    late_cast: bool = False
 
     def __post_init__(self):
         if self.block_t not in (8, 16) or self.num_warps not in (2, 4, 8) or self.row_warps not in (1, 2, 4):
@@ -92,7 +98,7 @@ class MoeStreamTile:
     def constexprs(self) -> dict:
         """The kernel's compile-time arguments this tile sets."""
         return dict(BLOCK_M=self.block_m, BLOCK_T=self.block_t, WARPS=self.num_warps, ROW_WARPS=self.row_warps,
-                    ROW_POINTERS=self.row_pointers)
+                    ROW_POINTERS=self.row_pointers, LATE_CAST=self.late_cast)
 
 
 @dataclass(frozen=True)
@@ -132,8 +138,9 @@ def moe_stream_grid(routes: int, experts: int, n: int, k: int, tile: MoeStreamTi
 
 def down_workspace_numel(t: int, h: int, tile: MoeStreamTile) -> int:
     """fp32 elements of the streaming down's workspace: the ``[T, H]`` fp32 sums, then one int32 count per token and
-    row tile (zero it before the call, e.g. by the gate_up kernel's ``zero``)."""
-    return t * h + t * triton.cdiv(h, tile.block_m)
+    row tile, or with ``late_cast`` one count of the CTAs that finished (zero it before the call, e.g. by the gate_up
+    kernel's ``zero``)."""
+    return t * h + (1 if tile.late_cast else t * triton.cdiv(h, tile.block_m))
 
 
 def route_block(routes: int) -> int:
@@ -153,6 +160,7 @@ MOE_STREAM_SIGNATURE = {
     "DOWN": "constexpr", "ACTIVATION": "constexpr", "HAS_MAP": "constexpr", "ZERO": "constexpr",
     "S_BLOCK": "constexpr", "DECODE": "constexpr", "EVEN_K": "constexpr", "BLOCK_M": "constexpr",
     "BLOCK_T": "constexpr", "WARPS": "constexpr", "ROW_WARPS": "constexpr", "ROW_POINTERS": "constexpr",
+    "LATE_CAST": "constexpr",
 }
 MOE_STREAM_DIVISIBLE = [k for k, v in MOE_STREAM_SIGNATURE.items() if v.startswith("*")] + [
     "N", "K", "stride_xt", "stride_we", "stride_ww", "stride_wse", "stride_wsn", "stride_om",
@@ -188,7 +196,7 @@ if HAS_GLUON:
         DOWN: gl.constexpr, ACTIVATION: gl.constexpr, HAS_MAP: gl.constexpr, ZERO: gl.constexpr,
         S_BLOCK: gl.constexpr, DECODE: gl.constexpr, EVEN_K: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr, WARPS: gl.constexpr, ROW_WARPS: gl.constexpr,
-        ROW_POINTERS: gl.constexpr,
+        ROW_POINTERS: gl.constexpr, LATE_CAST: gl.constexpr,
     ):
         # gate_up (DOWN false): N = I columns, a row tile = HALF gate rows + the same columns' up rows of w13[e],
         # activations x[token]; down: N = H rows of w2[e], activations inter[route], the routing weight and the
@@ -241,7 +249,7 @@ if HAS_GLUON:
         n_e = gl.sum(first_a.to(gl.int32), axis=0)
         total = n_e * tiles_e * NB
 
-        if DOWN:  # a token none of whose slots has a local expert gets no tile: zeros, token t from CTA t
+        if DOWN and not LATE_CAST:  # a token none of whose slots has a local expert gets no tile: zeros, from CTA t
             for t in range(pid, S // top_k, ctas):
                 if gl.sum(((offs_b // top_k == t) & (ids_b >= 0)).to(gl.int32), axis=0) == 0:
                     for h0 in range(0, N, 4 * 32 * WARPS):
@@ -309,19 +317,28 @@ if HAS_GLUON:
             y = _run_product(w_base, w_offs, s_base, s_offs, x_ptr, x_offs, kb0, kb_last, last, w_c, w_s, w_x,
                              k_c, k_s, k_x, K, EVEN_K, DECODE, WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, MMA, W4, A_OP,
                              B_OP, ACC_B, O2, ROW_POINTERS)
-            done, y = _reduce_tile(y, tile, pid, 0, ctas, total, NB, first_tile, slots_per_cta, part_ptr, part_offs,
-                                   cnt_ptr + tile, BLOCK_M, BLOCK_T, O2)
-            if done:
-                dec = gl.load(wdec_ptr + e)
-                if DECODE == 2:  # DECODE_SHIFT: the power of two the scale pairs left out
-                    dec = dec * _EPILOGUE_SHIFT
-                if DOWN:
-                    _down_epilogue(y * dec, route, count, ids_b, offs_b, j, out_ptr, tw_ptr, acc_ptr, tcnt_ptr,
-                                   stride_om, N, top_k, tiles_e, BLOCK_M, BLOCK_T, O2, R2)
-                else:
-                    _gate_up_epilogue(y * dec, route, count, j, out_ptr, stride_om, N, ACTIVATION, HALF, BLOCK_T,
-                                      Y3)
+            if DOWN and LATE_CAST:  # this run's share of the tile straight into the sums
+                _down_add(y * _expert_dec(wdec_ptr, e, DECODE), route, count, j, tw_ptr, acc_ptr, N, top_k, BLOCK_M,
+                          BLOCK_T, O2)
+            else:
+                done, y = _reduce_tile(y, tile, pid, 0, ctas, total, NB, first_tile, slots_per_cta, part_ptr,
+                                       part_offs, cnt_ptr + tile, BLOCK_M, BLOCK_T, O2)
+                if done:
+                    dec = _expert_dec(wdec_ptr, e, DECODE)
+                    if DOWN:
+                        _down_epilogue(y * dec, route, count, ids_b, offs_b, j, out_ptr, tw_ptr, acc_ptr, tcnt_ptr,
+                                       stride_om, N, top_k, tiles_e, BLOCK_M, BLOCK_T, O2, R2)
+                    else:
+                        _gate_up_epilogue(y * dec, route, count, j, out_ptr, stride_om, N, ACTIVATION, HALF, BLOCK_T,
+                                          Y3)
             b = run_end
+
+        if DOWN and LATE_CAST:  # every CTA arrives once (an empty range too); the last casts every token's sums
+            gl.barrier()  # every thread's adds before the release of the count
+            arrived = gl.atomic_add(tcnt_ptr, 1, sem="acq_rel", scope="gpu")
+            if arrived == gl.num_programs(0) - 1:
+                _cast_sums(acc_ptr, out_ptr, S // top_k, N, stride_om, WARPS)
+                gl.atomic_xchg(tcnt_ptr, 0, sem="relaxed", scope="gpu")  # as the zeroed workspace had it
 
     @gluon.jit
     def _gate_up_epilogue(y, route, count, j, out_ptr, stride_om, I, ACTIVATION: gl.constexpr, HALF: gl.constexpr,
@@ -336,6 +353,44 @@ if HAS_GLUON:
         route_o = gl.convert_layout(route, gl.SliceLayout(0, gl.SliceLayout(2, Y3)))
         out_ptrs = out_ptr + route_o[None, :].to(gl.int64) * stride_om + cols[:, None]
         gl.store(out_ptrs, inter.to(out_ptr.dtype.element_ty), mask=(cols < I)[:, None] & (n_o < count)[None, :])
+
+    @gluon.jit
+    def _expert_dec(wdec_ptr, e, DECODE: gl.constexpr):
+        """Expert ``e``'s decode global, with the power of two the shift decode's scale pairs left out."""
+        dec = gl.load(wdec_ptr + e)
+        if DECODE == 2:  # DECODE_SHIFT
+            dec = dec * _EPILOGUE_SHIFT
+        return dec
+
+    @gluon.jit
+    def _down_add(y, route, count, j, tw_ptr, acc_ptr, H, top_k, BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr,
+                  O2: gl.constexpr):
+        """Rows ``j * BLOCK_M ..`` of each route's (partial) product, times its routing weight, added (fp32
+        atomics) into its token's sums."""
+        n_o = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, O2))
+        live = n_o < count
+        route_o = gl.convert_layout(route, gl.SliceLayout(0, O2))
+        rows = j * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O2))
+        y = y * gl.load(tw_ptr + route_o, mask=live, other=0.0)[None, :]
+        sums = acc_ptr + (route_o // top_k)[None, :].to(gl.int64) * H + rows[:, None]
+        gl.atomic_add(sums, y, mask=(rows < H)[:, None] & live[None, :], sem="relaxed", scope="gpu")
+
+    @gluon.jit
+    def _cast_sums(acc_ptr, out_ptr, T, H, stride_om, WARPS: gl.constexpr):
+        """The whole ``[T, H]`` fp32 sums into ``out`` (tokens without a local expert get their zeroed sums), 8
+        tokens by ``256 * WARPS`` columns per step: 8 16-byte loads in flight per thread."""
+        CT: gl.constexpr = gl.BlockedLayout([8, 8], [1, 32], [1, WARPS], [1, 0])
+        HB: gl.constexpr = 8 * 32 * WARPS
+        t_r = gl.arange(0, 8, layout=gl.SliceLayout(1, CT))
+        h_r = gl.arange(0, HB, layout=gl.SliceLayout(0, CT))
+        for t0 in range(0, T, 8):
+            tok = (t0 + t_r)[:, None]
+            for h0 in range(0, H, HB):
+                col = (h0 + h_r)[None, :]
+                ok = (tok < T) & (col < H)
+                # .cg: the sums are in L2; this SM's L1 may hold a stale line
+                v = gl.load(acc_ptr + tok.to(gl.int64) * H + col, mask=ok, other=0.0, cache_modifier=".cg")
+                gl.store(out_ptr + tok.to(gl.int64) * stride_om + col, v.to(out_ptr.dtype.element_ty), mask=ok)
 
     @gluon.jit
     def _down_epilogue(y, route, count, ids_b, offs_b, j, out_ptr, tw_ptr, acc_ptr, tcnt_ptr, stride_om, H, top_k,
