@@ -6,7 +6,7 @@
 set -x
 source .carry/env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-D3=exp-n64k256-w2-st2-shift; DN=exp-n64k256-w2-tma-st2-shift; DT=tok-n32k128-w1-st3-shift
+D3=exp-n64k256-w2-st2-shift; DN=exp-n64k256-w2-tma-st2-shift
 S=dns-m32t8; SL=dns-m32t8-lc; S2L=dns-m64t8-rw2-lc
 sweep() {  # name, gate_up, shapes, tokens, downs, seconds
   local pairs=$(echo $5 | tr ',' '\n' | sed "s/^/$2+/" | paste -sd,)
