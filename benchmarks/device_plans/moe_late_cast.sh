@@ -2,7 +2,7 @@
 # The streaming down with the cast by the last CTA ("-lc") beside the table's downs, alone and in layers (every
 # candidate checked against moe_ref first): the narrow layers (H = 2048) with the table's streaming gate_up at T = 1,
 # 4, 8; then the GPU tests (the -lc downs twice after the zeroing gate_up, graph replays); with WIDE=1 then the wide
-# layers with the 32 x 8 gate_up.  About 5 minutes (6 with WIDE=1).
+# layers with the 32 x 8 gate_up (TOK and DOWNS narrow the first sweep).  About 5 minutes (6 with WIDE=1).
 set -x
 source .carry/env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -20,7 +20,7 @@ for r in json.load(open(sys.argv[1]))["rows"]:
     print("   layer:", {k.split("+")[1]: round(v, 1) for k, v in r["pairs_us"].items()})
 PY
 }
-sweep narrow gus-m64t8-rw2 qwen3-30b-a3b,qwen3-next-80b 1,4,8 $D3,$DN,$S,$SL,$S2L 200
+sweep narrow gus-m64t8-rw2 qwen3-30b-a3b,qwen3-next-80b ${TOK:-1,4,8} ${DOWNS:-$D3,$DN,$S,$SL,$S2L} 200
 timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -n 6 tests/kernels/test_gluon_moe_decode.py \
   -k "late or replays" 2>&1 | tail -4
 [ -n "$WIDE" ] && sweep wide gus-m32t8 qwen3-235b-a22b,deepseek-v3 1,4,8 $D3,$S,$SL 150
