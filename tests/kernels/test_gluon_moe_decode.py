@@ -452,6 +452,9 @@ def test_late_cast_ends_a_run_with_its_adds(arch, decode):
     plain = compile_tile(replace(tile, late_cast=False), arch=arch, decode=decode, down=True)
     arrive = r"atom\.global\.gpu\.acq_rel\.add"
     assert len(re.findall(arrive, late.ptx)) == 1 and len(re.findall(arrive, plain.ptx)) >= 2
+    fence = r"MEMBAR\.ALL\.GPU"  # the release before a count: once per CTA, after its runs
+    assert len(re.findall(fence, late.sass)) == 1 and len(re.findall(fence, plain.sass)) >= 2
+    assert late.registers <= plain.registers
     assert late.has_ptx(r"red\.global\.gpu\.add\.f32|atom\.global\.gpu\.(relaxed\.)?add\.f32")
     loop, plain_loop = main_loop(late.sass), main_loop(plain.sass)
     for op in (r"HMMA.*", r"HMUL2.*", r"F2FP\.BF16\.E2M1.*", r"LDG.*", r"LOP3.*", r"IMAD\.HI.*"):
