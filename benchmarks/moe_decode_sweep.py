@@ -294,6 +294,9 @@ STREAM_DOWN = {
 for _name in ("dns-m32t8", "dns-m64t8-rw2"):
     _kind, _det, _tile = STREAM_DOWN[_name]
     STREAM_DOWN[f"{_name}-lc"] = (_kind, _det, replace(_tile, late_cast=True))
+# Up to 16 routes per expert (T = 9-16, where the table runs Triton downs): 187 registers on sm_120, 173 on sm_90
+# (220 without the option), so 2 CTAs per SM.
+STREAM_DOWN["dns-m32t16-lc"] = ("expert", False, MoeStreamTile(32, 16, ctas_per_sm=2, late_cast=True))
 ANY_DOWN = DOWN | STREAM_DOWN  # after every DOWN entry above
 # What a run sweeps without --gate-up / --down (about ten kernel tiles: each compiles once per routing bucket, and
 # the compiles are most of the ~4 minutes); the others are there for a focused second run.
