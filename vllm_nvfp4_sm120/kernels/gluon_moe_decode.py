@@ -378,7 +378,7 @@ if HAS_GLUON:
     @gluon.jit
     def _cast_sums(acc_ptr, out_ptr, T, H, stride_om, WARPS: gl.constexpr):
         """The whole ``[T, H]`` fp32 sums into ``out`` (tokens without a local expert get their zeroed sums), 8
-        tokens by ``256 * WARPS`` columns per step: 8 16-byte loads in flight per thread."""
+        tokens by ``256 * WARPS`` columns per step: 16 16-byte loads in flight per thread."""
         CT: gl.constexpr = gl.BlockedLayout([8, 8], [1, 32], [1, WARPS], [1, 0])
         HB: gl.constexpr = 8 * 32 * WARPS
         t_r = gl.arange(0, 8, layout=gl.SliceLayout(1, CT))
