@@ -366,7 +366,7 @@ if HAS_GLUON:
     def _down_add(y, route, count, j, tw_ptr, acc_ptr, H, top_k, BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr,
                   O2: gl.constexpr):
         """Rows ``j * BLOCK_M ..`` of each route's (partial) product, times its routing weight, added (fp32
-        atomics) into its token's sums."""
+        atomics) into its token's sums; returns the pointers of those sums."""
         n_o = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, O2))
         live = n_o < count
         route_o = gl.convert_layout(route, gl.SliceLayout(0, O2))
@@ -374,6 +374,7 @@ if HAS_GLUON:
         y = y * gl.load(tw_ptr + route_o, mask=live, other=0.0)[None, :]
         sums = acc_ptr + (route_o // top_k)[None, :].to(gl.int64) * H + rows[:, None]
         gl.atomic_add(sums, y, mask=(rows < H)[:, None] & live[None, :], sem="relaxed", scope="gpu")
+        return sums
 
     @gluon.jit
     def _cast_sums(acc_ptr, out_ptr, T, H, stride_om, WARPS: gl.constexpr):
@@ -399,20 +400,15 @@ if HAS_GLUON:
         """Rows ``j * BLOCK_M ..`` of each route's product, times its routing weight, added (fp32 atomics) into its
         token's sums; the add that completes a token's tile (the last of its local experts, counted per token and
         row tile) casts the tile into the output.  The sums and counts are zeroed by the gate_up kernel."""
-        n_o = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, O2))
-        live = n_o < count
-        route_o = gl.convert_layout(route, gl.SliceLayout(0, O2))
-        tok = route_o // top_k
+        sums = _down_add(y, route, count, j, tw_ptr, acc_ptr, H, top_k, BLOCK_M, BLOCK_T, O2)
+        live = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, O2)) < count
+        tok = gl.convert_layout(route, gl.SliceLayout(0, O2)) // top_k
         # local routes of each column's token (the count its tile waits for)
         tok_r = gl.convert_layout(tok, gl.SliceLayout(1, R2))
         n_local = gl.sum(((offs_b[None, :] // top_k == tok_r[:, None]) & (ids_b[None, :] >= 0)).to(gl.int32), axis=1)
         n_local = gl.convert_layout(n_local, gl.SliceLayout(0, O2))
         rows = j * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O2))
         row_ok = rows < H
-        y = y * gl.load(tw_ptr + route_o, mask=live, other=0.0)[None, :]
-        mask = row_ok[:, None] & live[None, :]
-        sums = acc_ptr + tok[None, :].to(gl.int64) * H + rows[:, None]
-        gl.atomic_add(sums, y, mask=mask, sem="relaxed", scope="gpu")
         gl.barrier()  # every thread's adds before the release of the count
         arrived = gl.atomic_add(tcnt_ptr + tok * tiles_h + j, 1, mask=live, sem="acq_rel", scope="gpu")
         last = live & (arrived == n_local - 1)
