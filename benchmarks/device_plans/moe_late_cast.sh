@@ -3,7 +3,8 @@
 # candidate checked against moe_ref first): the narrow layers (H = 2048) with the table's streaming gate_up at T = 1,
 # 4, 8 (TOK and DOWNS narrow this sweep); the GPU tests (the -lc downs twice after the zeroing gate_up, graph
 # replays); T = 12 and 16 with the table's Triton gate_up; with WIDE=1 the wide layers with the 32 x 8 gate_up.
-# About 7 minutes (8 with WIDE=1).
+# About 7 minutes (8 with WIDE=1).  PARTS picks the parts where a call must be short: "a" the narrow layers at
+# T <= 8 and the GPU tests (~5 min), "b" T = 12 and 16 (and WIDE).
 set -x
 source .carry/env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -21,9 +22,12 @@ for r in json.load(open(sys.argv[1]))["rows"]:
     print("   layer:", {k.split("+")[1]: round(v, 1) for k, v in r["pairs_us"].items()})
 PY
 }
+if [[ ${PARTS:-a b} == *a* ]]; then
 sweep narrow gus-m64t8-rw2 qwen3-30b-a3b,qwen3-next-80b ${TOK:-1,4,8} ${DOWNS:-$D3,$DN,$S,$SL,$S2L} 200
 timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -n 6 tests/kernels/test_gluon_moe_decode.py \
   -k "late or replays" 2>&1 | tail -4
+fi
+[[ ${PARTS:-a b} == *b* ]] || exit 0
 # T = 12 and 16 with the table's gate_up there, the 16-route streaming down beside the table's downs
 sweep narrow16 gu-n32k128-w2-st3-shift qwen3-30b-a3b,qwen3-next-80b 12,16 $D3,$DN,$DT,dns-m32t16-lc 150
 [ -n "$WIDE" ] && sweep wide gus-m32t8 qwen3-235b-a22b,deepseek-v3 1,4,8 $D3,$S,$SL 150
