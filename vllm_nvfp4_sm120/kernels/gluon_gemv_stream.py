@@ -397,11 +397,24 @@ if HAS_GLUON:
 
         ``ROW_POINTERS``: the bases and 32-bit offsets become 64-bit pointers once per run, so a load's address is
         one ``IMAD.WIDE`` of its block offset instead of a 32-bit add, a 64-bit widening and a 64-bit add (~2
-        instructions per code word fewer on sm_120, ~1.3 on sm_90), for one more register per pointer."""
-        BMW: gl.constexpr = BLOCK_M // ROW_WARPS
-        KW: gl.constexpr = WARPS // ROW_WARPS
-        kb_w, kb_s, kb_x = kb0 + w_c // ROW_WARPS, kb0 + w_s // ROW_WARPS, kb0 + w_x // ROW_WARPS
-        acc = gl.zeros([WARPS, BMW, BLOCK_T], gl.float32, MMA)
+        instructions per code word fewer on sm_120, ~1.3 on sm_90), for one more register per pointer.
+
+        The run in three parts, which a caller that loads the next run's first step early calls one by one:
+        :func:`_run_bases`, :func:`_run_first` (the first step's loads), :func:`_run_steps` (every step but the
+        last, which it returns loaded) and :func:`_run_last`."""
+        w_base, w_offs, s_base, s_offs, x_base, x_offs = _run_bases(w_base, w_offs, s_base, s_offs, x_base, x_offs,
+                                                                    ROW_POINTERS)
+        words, sc, x = _run_first(w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0, kb_last, w_c, w_s, w_x,
+                                  k_c, k_s, k_x, K, EVEN_K, ROW_WARPS)
+        acc, words, sc, x = _run_steps(words, sc, x, w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0, kb_last,
+                                       last, w_c, w_s, w_x, k_c, k_s, k_x, K, EVEN_K, DECODE, WARPS, ROW_WARPS,
+                                       BLOCK_M, BLOCK_T, MMA, W4, A_OP, B_OP)
+        return _run_last(words, sc, x, acc, DECODE, WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, W4, A_OP, B_OP, ACC_B, O2)
+
+    @gluon.jit
+    def _run_bases(w_base, w_offs, s_base, s_offs, x_base, x_offs, ROW_POINTERS: gl.constexpr):
+        """A run's load bases and offsets: as given, or (``ROW_POINTERS``) one 64-bit pointer per row and zero
+        offsets."""
         if ROW_POINTERS:  # a 64-bit pointer per row, once per run: each load's address is one wide multiply-add
             w_base = w_base + w_offs
             w_offs = 0
@@ -409,9 +422,28 @@ if HAS_GLUON:
             s_offs = 0
             x_base = x_base + x_offs
             x_offs = 0
-        words_a, sc_a, x_a = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs,
-                                        _step_blocks(kb_w, kb_s, kb_x, 0, kb_last),
-                                        k_c * 8, k_s * 16, k_x, K, EVEN_K)
+        return w_base, w_offs, s_base, s_offs, x_base, x_offs
+
+    @gluon.jit
+    def _run_first(w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0, kb_last, w_c, w_s, w_x, k_c, k_s, k_x, K,
+                   EVEN_K: gl.constexpr, ROW_WARPS: gl.constexpr):
+        """The loads of a run's first step (bases from :func:`_run_bases`)."""
+        kb_w, kb_s, kb_x = kb0 + w_c // ROW_WARPS, kb0 + w_s // ROW_WARPS, kb0 + w_x // ROW_WARPS
+        return _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs, _step_blocks(kb_w, kb_s, kb_x, 0, kb_last),
+                          k_c * 8, k_s * 16, k_x, K, EVEN_K)
+
+    @gluon.jit
+    def _run_steps(words_a, sc_a, x_a, w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0, kb_last, last, w_c, w_s,
+                   w_x, k_c, k_s, k_x, K, EVEN_K: gl.constexpr, DECODE: gl.constexpr, WARPS: gl.constexpr,
+                   ROW_WARPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr, MMA: gl.constexpr,
+                   W4: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr):
+        """Steps ``0 .. last - 1`` of a run whose first step is loaded (``words_a, sc_a, x_a``): ``(acc, the last
+        step's loads)``, the surplus warps' codes of the last step zeroed.  Each step loads the next before it
+        decodes (two register buffers, the loop unrolled by two so no buffer is copied)."""
+        BMW: gl.constexpr = BLOCK_M // ROW_WARPS
+        KW: gl.constexpr = WARPS // ROW_WARPS
+        kb_w, kb_s, kb_x = kb0 + w_c // ROW_WARPS, kb0 + w_s // ROW_WARPS, kb0 + w_x // ROW_WARPS
+        acc = gl.zeros([WARPS, BMW, BLOCK_T], gl.float32, MMA)
         for i in range(0, last - 1, 2):  # pairs of steps before the last: every warp has a block
             words_b, sc_b, x_b = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs,
                                             _step_blocks(kb_w, kb_s, kb_x, (i + 1) * KW, kb_last),
@@ -429,7 +461,16 @@ if HAS_GLUON:
             acc = _step_mma(words_a, sc_a, x_a, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
             words_a, sc_a, x_a = words_b, sc_b, x_b
         words_a = gl.where(kb_w + last * KW <= kb_last, words_a, 0)
-        acc = _step_mma(words_a, sc_a, x_a, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
+        return acc, words_a, sc_a, x_a
+
+    @gluon.jit
+    def _run_last(words, sc, x, acc, DECODE: gl.constexpr, WARPS: gl.constexpr, ROW_WARPS: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr, W4: gl.constexpr, A_OP: gl.constexpr,
+                  B_OP: gl.constexpr, ACC_B: gl.constexpr, O2: gl.constexpr):
+        """A run's last step, then the sum over the K warps: ``[BLOCK_M, BLOCK_T]`` fp32 in ``O2``."""
+        BMW: gl.constexpr = BLOCK_M // ROW_WARPS
+        KW: gl.constexpr = WARPS // ROW_WARPS
+        acc = _step_mma(words, sc, x, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
         # [WARPS, BMW, T] -> [KW, BLOCK_M, T]: the sum over the K warps (through shared memory)
         y = gl.sum(gl.convert_layout(acc, ACC_B).reshape([KW, BLOCK_M, BLOCK_T]), axis=0)
         return gl.convert_layout(y, O2)
