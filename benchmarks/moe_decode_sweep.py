@@ -134,6 +134,11 @@ STREAM_GATE_UP = {
 # one row of the same run, by up to 31 %, and was removed.)
 for _name in ("gus-m32t8", "gus-m64t8-rw2"):
     STREAM_GATE_UP[f"{_name}-rp"] = replace(STREAM_GATE_UP[_name], row_pointers=True)
+# Runs overlapped ("-ov"): each run's first step loaded before the previous run's last step and epilogue, the routing
+# recomputed only where the expert changes.  Capped at 168 registers for 3 CTAs per SM (no stack on sm_90 or
+# sm_120); the 64-row tile spills under that cap on sm_90 and runs uncapped (214 registers there: 2 CTAs).
+STREAM_GATE_UP["gus-m32t8-ov"] = replace(STREAM_GATE_UP["gus-m32t8"], overlap_runs=True, max_regs=168)
+STREAM_GATE_UP["gus-m64t8-rw2-ov"] = replace(STREAM_GATE_UP["gus-m64t8-rw2"], overlap_runs=True, ctas_per_sm=2)
 DOWN = {  # name: (kernel, deterministic, tile)
     "tok-n16k256-w1": ("token", False, DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True)),
     "tok-n16k256-w1-pdl": ("token", False, DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True,
@@ -297,6 +302,10 @@ for _name in ("dns-m32t8", "dns-m64t8-rw2"):
 # Up to 16 routes per expert (T = 9-16, where the table runs Triton downs): 187 registers on sm_120, 173 on sm_90
 # (220 without the option), so 2 CTAs per SM.
 STREAM_DOWN["dns-m32t16-lc"] = ("expert", False, MoeStreamTile(32, 16, ctas_per_sm=2, late_cast=True))
+# The late cast with the runs overlapped (see "-ov" above): at most 168 registers, 3 CTAs per SM, no stack.
+for _name in ("dns-m32t8-lc", "dns-m64t8-rw2-lc"):
+    _kind, _det, _tile = STREAM_DOWN[_name]
+    STREAM_DOWN[f"{_name}-ov"] = (_kind, _det, replace(_tile, overlap_runs=True, max_regs=168, ctas_per_sm=3))
 ANY_DOWN = DOWN | STREAM_DOWN  # after every DOWN entry above
 # What a run sweeps without --gate-up / --down (about ten kernel tiles: each compiles once per routing bucket, and
 # the compiles are most of the ~4 minutes); the others are there for a focused second run.

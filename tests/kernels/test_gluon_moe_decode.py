@@ -462,6 +462,33 @@ def test_late_cast_ends_a_run_with_its_adds(arch, decode):
     print(late.summary(), f"{loop.total} loop instructions;", plain.summary(), f"{plain_loop.total}")
 
 
+OVERLAP_JOBS = [(n, False) for n in TILES if TILES[n].overlap_runs] + [
+    (n, True) for n in SWEEP.STREAM_DOWN if SWEEP.STREAM_DOWN[n][2].overlap_runs]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch,decode", [(120, 0), (90, 2)])
+@pytest.mark.parametrize("name,down", OVERLAP_JOBS, ids=str)
+def test_overlapped_runs_load_one_step_more_outside_the_loop(name, down, arch, decode):
+    """With the runs overlapped the main loop is the plain tile's (the same loads, decode and MMAs); outside it the
+    kernel has one step's loads more (the next run's first step, issued in the loop over runs before the run's last
+    step, besides the first run's before that loop); no local memory, and a capped tile keeps its 3 CTAs per SM."""
+    from dataclasses import replace
+
+    tile = _tile(name, down)
+    ov = compile_tile(tile, arch=arch, decode=decode, down=down).require_no_local().require_smem()
+    plain = compile_tile(replace(tile, overlap_runs=False), arch=arch, decode=decode, down=down)
+    loop, plain_loop = main_loop(ov.sass), main_loop(plain.sass)
+    for op in (r"HMMA.*", r"HMUL2.*", r"F2FP\.BF16\.E2M1.*", r"LDG.*", r"LOP3.*", r"IMAD\.HI.*"):
+        assert loop.count(op) == plain_loop.count(op), (op, loop.ops, plain_loop.ops)
+    step_loads = loop.count(r"LDG.*") // 2  # the main loop is two steps
+    ldg = lambda rep: len(re.findall(r"\bLDG\.", rep.sass))  # noqa: E731
+    assert ldg(ov) == ldg(plain) + step_loads, (ldg(ov), ldg(plain), step_loads)
+    if tile.max_regs:
+        assert ov.registers <= tile.max_regs <= 168
+    print(ov.summary(), f"{ldg(ov)} loads against {ldg(plain)};", plain.summary())
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("arch,decode,dtype,even_k,activation", [(120, 0, "fp16", False, "gelu_tanh"),
                                                                  (90, 2, "fp16", False, "gelu_tanh"),
@@ -526,7 +553,7 @@ def test_gpu_late_cast_down_against_reference(case):
     t, e, k, h, i, act, with_map, dtype = case
     x, w13, d13, w2, d2, tw, ti, emap = _problem(t, e, k, h, i, dtype=dtype, with_map=with_map, device="cuda")
     ref = moe_ref(x, w13, d13, w2, d2, tw, ti, activation=act, expert_map=emap)
-    for name in ("dns-m32t8-lc", "dns-m64t8-rw2-lc", "dns-m32t16-lc"):
+    for name in ("dns-m32t8-lc", "dns-m64t8-rw2-lc", "dns-m32t16-lc", "dns-m32t8-lc-ov", "dns-m64t8-rw2-lc-ov"):
         dtile = SWEEP.STREAM_DOWN[name][2]
         if t > dtile.block_t:
             continue
@@ -586,7 +613,26 @@ def test_gpu_row_pointers_change_no_bit(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("down_name", ["dns-m32t8", "dns-m32t8-lc"])
+@pytest.mark.parametrize("name", [n for n in TILES if TILES[n].overlap_runs])
+@pytest.mark.parametrize("t", [1, 6])
+def test_gpu_overlapped_runs_change_no_bit(name, t):
+    """The overlapped runs load the same blocks earlier and sum the same partials in the same order: the gate_up's
+    bits are the tile's without the option (a CTA with several runs, several experts, a map with other ranks'
+    experts)."""
+    from dataclasses import replace
+
+    e, k, h, i = 128, 8, 2048, 768
+    x, w13, d13, w2, d2, tw, ti, emap = _problem(t, e, k, h, i, device="cuda", with_map=True)
+    tile = TILES[name]
+    first = gm.moe_stream_gate_up(x, w13.codes, w13.scales, d13, ti, tile=tile, expert_map=emap)
+    plain = gm.moe_stream_gate_up(x, w13.codes, w13.scales, d13, ti, tile=replace(tile, overlap_runs=False),
+                                  expert_map=emap)
+    local = emap[ti.long()].reshape(-1) >= 0
+    assert torch.equal(first[local], plain[local])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("down_name", ["dns-m32t8", "dns-m32t8-lc", "dns-m32t8-lc-ov"])
 def test_gpu_stream_layer_replays_under_a_graph(down_name):
     t, e, k, h, i = 4, 128, 8, 2048, 768
     x, w13, d13, w2, d2, tw, ti, _ = _problem(t, e, k, h, i, device="cuda")

@@ -46,7 +46,8 @@ from .gluon_compat import HAS_GLUON, gl, gluon, require_gluon
 from .gluon_gemv_stream import DECODE_NAMES, K_BLOCK, default_stream_decode
 
 if HAS_GLUON:
-    from .gluon_gemv_stream import _EPILOGUE_SHIFT, _reduce_tile, _run_product
+    from .gluon_gemv_stream import (_EPILOGUE_SHIFT, _reduce_tile, _run_bases, _run_first, _run_last,
+                                    _run_product, _run_steps)
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,10 @@ class MoeStreamTile:
     ``late_cast`` (the down; the gate_up ignores it): each run's products go straight into the fp32 sums, with no
     partial sums for row tiles shared by CTAs and no count per token and row tile, and the last CTA to finish (one
     arrival per CTA) casts the whole ``[T, H]`` sums into the output: a run ends with its atomic adds instead of a
-    chain of dependent round trips to L2 (partial store, count, sum load), paid once per CTA instead."""
+    chain of dependent round trips to L2 (partial store, count, sum load), paid once per CTA instead;
+    ``overlap_runs``: each run's first step is loaded before the previous run's last step and epilogue, and the
+    routing is recomputed only where the expert changes: a CTA's short runs (a few 128-k blocks per row tile where
+    K is small) keep loads in flight across their boundaries instead of draining at each."""
 
     block_m: int
     block_t: int
@@ -71,6 +75,7 @@ class MoeStreamTile:
     ctas_per_sm: int = 2
     row_pointers: bool = False
     late_cast: bool = False
+    overlap_runs: bool = False
 
     def __post_init__(self):
         if self.block_t not in (8, 16) or self.num_warps not in (2, 4, 8) or self.row_warps not in (1, 2, 4):
@@ -98,7 +103,8 @@ class MoeStreamTile:
     def constexprs(self) -> dict:
         """The kernel's compile-time arguments this tile sets."""
         return dict(BLOCK_M=self.block_m, BLOCK_T=self.block_t, WARPS=self.num_warps, ROW_WARPS=self.row_warps,
-                    ROW_POINTERS=self.row_pointers, LATE_CAST=self.late_cast)
+                    ROW_POINTERS=self.row_pointers, LATE_CAST=self.late_cast,
+                    OVERLAP_RUNS=self.overlap_runs)
 
 
 @dataclass(frozen=True)
@@ -160,7 +166,7 @@ MOE_STREAM_SIGNATURE = {
     "DOWN": "constexpr", "ACTIVATION": "constexpr", "HAS_MAP": "constexpr", "ZERO": "constexpr",
     "S_BLOCK": "constexpr", "DECODE": "constexpr", "EVEN_K": "constexpr", "BLOCK_M": "constexpr",
     "BLOCK_T": "constexpr", "WARPS": "constexpr", "ROW_WARPS": "constexpr", "ROW_POINTERS": "constexpr",
-    "LATE_CAST": "constexpr",
+    "LATE_CAST": "constexpr", "OVERLAP_RUNS": "constexpr",
 }
 MOE_STREAM_DIVISIBLE = [k for k, v in MOE_STREAM_SIGNATURE.items() if v.startswith("*")] + [
     "N", "K", "stride_xt", "stride_we", "stride_ww", "stride_wse", "stride_wsn", "stride_om",
@@ -189,6 +195,69 @@ if HAS_GLUON:
         return g * up
 
     @gluon.jit
+    def _run_span(b, b_end, NB, tiles_e, KW: gl.constexpr):
+        """The run that starts at block ``b`` of the CTA's range ``[.., b_end)``: ``(tile, run_end, kb0, kb_last,
+        last, q, j)``, its list tile ``q * tiles_e + j`` (expert rank q, row tile j), its first and last 128-k block
+        in the row and the index of its last step."""
+        tile = b // NB
+        run_end = gl.minimum(b_end, (tile + 1) * NB)
+        q = tile // tiles_e
+        return (tile, run_end, b - tile * NB, run_end - tile * NB - 1, gl.cdiv(run_end - b, KW) - 1, q,
+                tile - q * tiles_e)
+
+    @gluon.jit
+    def _expert_routes(q, nth_b, ids_b, before_b, offs_b, n_r, top_k, DOWN: gl.constexpr, XL: gl.constexpr):
+        """The expert of rank q (``e``), its number of routes, each MMA column's route (column n: the expert's route
+        with n earlier routes to it; columns past its routes read the first route's activations, an L1 hit, and
+        store nothing) and each column's activation row (down: the route's intermediate row; gate_up: its token)."""
+        e = gl.max(gl.where(nth_b == q + 1, ids_b, -1), axis=0)
+        match = ids_b == e
+        count = gl.sum(match.to(gl.int32), axis=0)
+        route = gl.max(gl.where(match[None, :] & (before_b[None, :] == n_r[:, None]), offs_b[None, :], -1), axis=1)
+        route = gl.where(n_r < count, route, gl.max(gl.where(match & (before_b == 0), offs_b, -1), axis=0))
+        if DOWN:
+            a_row = gl.convert_layout(route, gl.SliceLayout(0, gl.SliceLayout(2, XL)))
+        else:
+            a_row = gl.convert_layout(route // top_k, gl.SliceLayout(0, gl.SliceLayout(2, XL)))
+        return e, count, route, a_row
+
+    @gluon.jit
+    def _tile_offsets(e, j, a_row, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, k_x, stride_xt, stride_we, stride_ww,
+                      stride_wse, stride_wsn, N, DOWN: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.constexpr):
+        """Row tile j of expert e: its code and scale bases and per-lane offsets, and the activations' offsets."""
+        x_offs = a_row[None, :, None] * stride_xt + k_x
+        if DOWN:  # rows j * BLOCK_M ..; rows past N re-read row N - 1
+            wrow_c = gl.minimum(j * BLOCK_M + row_c, N - 1)
+            wrow_s = gl.minimum(j * BLOCK_M + row_s, N - 1)
+        else:  # gate rows j * HALF .., then the up rows I + j * HALF ..; columns past I re-read column I - 1
+            wrow_c = (row_c // HALF) * N + gl.minimum(j * HALF + row_c % HALF, N - 1)
+            wrow_s = (row_s // HALF) * N + gl.minimum(j * HALF + row_s % HALF, N - 1)
+        return (w_ptr + e.to(gl.int64) * stride_we, wrow_c * stride_ww + k_c, ws_ptr + e.to(gl.int64) * stride_wse,
+                wrow_s * stride_wsn + k_s, x_offs)
+
+    @gluon.jit
+    def _end_run(y, tile, e, route, count, j, pid, ctas, total, NB, first_tile, slots_per_cta, part_ptr, part_offs,
+                 cnt_ptr, wdec_ptr, out_ptr, tw_ptr, acc_ptr, tcnt_ptr, ids_b, offs_b, stride_om, N, top_k, tiles_e,
+                 DOWN: gl.constexpr, ACTIVATION: gl.constexpr, DECODE: gl.constexpr, LATE_CAST: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr, HALF: gl.constexpr, O2: gl.constexpr,
+                 R2: gl.constexpr, Y3: gl.constexpr):
+        """A run's products ``y`` into the result: with the late cast straight into the sums; otherwise through the
+        shared tile's partial sums, the CTA that completes the tile applying the epilogue."""
+        if DOWN and LATE_CAST:  # this run's share of the tile straight into the sums
+            _down_add(y * _expert_dec(wdec_ptr, e, DECODE), route, count, j, tw_ptr, acc_ptr, N, top_k, BLOCK_M,
+                      BLOCK_T, O2)
+        else:
+            done, y = _reduce_tile(y, tile, pid, 0, ctas, total, NB, first_tile, slots_per_cta, part_ptr, part_offs,
+                                   cnt_ptr + tile, BLOCK_M, BLOCK_T, O2)
+            if done:
+                dec = _expert_dec(wdec_ptr, e, DECODE)
+                if DOWN:
+                    _down_epilogue(y * dec, route, count, ids_b, offs_b, j, out_ptr, tw_ptr, acc_ptr, tcnt_ptr,
+                                   stride_om, N, top_k, tiles_e, BLOCK_M, BLOCK_T, O2, R2)
+                else:
+                    _gate_up_epilogue(y * dec, route, count, j, out_ptr, stride_om, N, ACTIVATION, HALF, BLOCK_T, Y3)
+
+    @gluon.jit
     def _moe_stream_kernel(
         x_ptr, w_ptr, ws_ptr, wdec_ptr, ids_ptr, map_ptr, out_ptr, part_ptr, cnt_ptr, zero_ptr, tw_ptr, acc_ptr,
         tcnt_ptr, stride_xt, stride_we, stride_ww, stride_wse, stride_wsn, stride_om,
@@ -196,7 +265,7 @@ if HAS_GLUON:
         DOWN: gl.constexpr, ACTIVATION: gl.constexpr, HAS_MAP: gl.constexpr, ZERO: gl.constexpr,
         S_BLOCK: gl.constexpr, DECODE: gl.constexpr, EVEN_K: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr, WARPS: gl.constexpr, ROW_WARPS: gl.constexpr,
-        ROW_POINTERS: gl.constexpr, LATE_CAST: gl.constexpr,
+        ROW_POINTERS: gl.constexpr, LATE_CAST: gl.constexpr, OVERLAP_RUNS: gl.constexpr,
     ):
         # gate_up (DOWN false): N = I columns, a row tile = HALF gate rows + the same columns' up rows of w13[e],
         # activations x[token]; down: N = H rows of w2[e], activations inter[route], the routing weight and the
@@ -279,59 +348,69 @@ if HAS_GLUON:
         b_begin = gl.minimum(pid, ctas) * total // ctas
         b_end = gl.minimum(pid + 1, ctas) * total // ctas
         first_tile = b_begin // NB
-        b = b_begin
-        while b < b_end:
-            tile = b // NB  # q * tiles_e + j: expert rank q, its row tile j
-            run_end = gl.minimum(b_end, (tile + 1) * NB)
-            kb0 = b - tile * NB
-            kb_last = run_end - tile * NB - 1
-            last = gl.cdiv(run_end - b, KW) - 1
-            q = tile // tiles_e
-            j = tile - q * tiles_e
-
-            # The expert of rank q and its routes (column n: its n-th route in slot order).
-            e = gl.max(gl.where(nth_b == q + 1, ids_b, -1), axis=0)
-            match = ids_b == e
-            count = gl.sum(match.to(gl.int32), axis=0)
-            # Column n: the expert's route with n earlier routes to it; columns past its routes read the first
-            # route's activations (an L1 hit) and store nothing.
-            route = gl.max(gl.where(match[None, :] & (before_b[None, :] == n_r[:, None]), offs_b[None, :], -1), axis=1)
-            route = gl.where(n_r < count, route, gl.max(gl.where(match & (before_b == 0), offs_b, -1), axis=0))
-            if DOWN:  # the intermediate row of the route
-                a_row = gl.convert_layout(route, gl.SliceLayout(0, gl.SliceLayout(2, XL)))[None, :, None]
-            else:  # the token's input row
-                a_row = gl.convert_layout(route // top_k, gl.SliceLayout(0, gl.SliceLayout(2, XL)))[None, :, None]
-            x_offs = a_row * stride_xt + k_x
-
-            if DOWN:  # rows j * BLOCK_M ..; rows past N re-read row N - 1
-                wrow_c = gl.minimum(j * BLOCK_M + row_c, N - 1)
-                wrow_s = gl.minimum(j * BLOCK_M + row_s, N - 1)
-            else:  # gate rows j * HALF .., then the up rows I + j * HALF ..; columns past I re-read column I - 1
-                wrow_c = (row_c // HALF) * N + gl.minimum(j * HALF + row_c % HALF, N - 1)
-                wrow_s = (row_s // HALF) * N + gl.minimum(j * HALF + row_s % HALF, N - 1)
-            w_base = w_ptr + e.to(gl.int64) * stride_we
-            w_offs = wrow_c * stride_ww + k_c
-            s_base = ws_ptr + e.to(gl.int64) * stride_wse
-            s_offs = wrow_s * stride_wsn + k_s
-
-            y = _run_product(w_base, w_offs, s_base, s_offs, x_ptr, x_offs, kb0, kb_last, last, w_c, w_s, w_x,
-                             k_c, k_s, k_x, K, EVEN_K, DECODE, WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, MMA, W4, A_OP,
-                             B_OP, ACC_B, O2, ROW_POINTERS)
-            if DOWN and LATE_CAST:  # this run's share of the tile straight into the sums
-                _down_add(y * _expert_dec(wdec_ptr, e, DECODE), route, count, j, tw_ptr, acc_ptr, N, top_k, BLOCK_M,
-                          BLOCK_T, O2)
-            else:
-                done, y = _reduce_tile(y, tile, pid, 0, ctas, total, NB, first_tile, slots_per_cta, part_ptr,
-                                       part_offs, cnt_ptr + tile, BLOCK_M, BLOCK_T, O2)
-                if done:
-                    dec = _expert_dec(wdec_ptr, e, DECODE)
-                    if DOWN:
-                        _down_epilogue(y * dec, route, count, ids_b, offs_b, j, out_ptr, tw_ptr, acc_ptr, tcnt_ptr,
-                                       stride_om, N, top_k, tiles_e, BLOCK_M, BLOCK_T, O2, R2)
-                    else:
-                        _gate_up_epilogue(y * dec, route, count, j, out_ptr, stride_om, N, ACTIVATION, HALF, BLOCK_T,
-                                          Y3)
-            b = run_end
+        if not OVERLAP_RUNS:
+            b = b_begin
+            while b < b_end:
+                tile, run_end, kb0, kb_last, last, q, j = _run_span(b, b_end, NB, tiles_e, KW)
+                e, count, route, a_row = _expert_routes(q, nth_b, ids_b, before_b, offs_b, n_r, top_k, DOWN, XL)
+                w_base, w_offs, s_base, s_offs, x_offs = _tile_offsets(
+                    e, j, a_row, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, k_x, stride_xt, stride_we, stride_ww,
+                    stride_wse, stride_wsn, N, DOWN, BLOCK_M, HALF)
+                y = _run_product(w_base, w_offs, s_base, s_offs, x_ptr, x_offs, kb0, kb_last, last, w_c, w_s, w_x,
+                                 k_c, k_s, k_x, K, EVEN_K, DECODE, WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, MMA, W4, A_OP,
+                                 B_OP, ACC_B, O2, ROW_POINTERS)
+                _end_run(y, tile, e, route, count, j, pid, ctas, total, NB, first_tile, slots_per_cta, part_ptr,
+                         part_offs, cnt_ptr, wdec_ptr, out_ptr, tw_ptr, acc_ptr, tcnt_ptr, ids_b, offs_b, stride_om,
+                         N, top_k, tiles_e, DOWN, ACTIVATION, DECODE, LATE_CAST, BLOCK_M, BLOCK_T, HALF, O2, R2, Y3)
+                b = run_end
+        elif b_begin < b_end:
+            # The same runs, but each run's first step is loaded before the previous run's last step and its
+            # epilogue (the reduction and the atomics), so a short run's loads do not wait for the one before to
+            # end; the routing is computed again only where the expert changes.  The run after the CTA's last
+            # loads that run's last block again (an L1 / L2 hit), which keeps the loop free of a branch there.
+            tile, run_end, kb0, kb_last, last, q, j = _run_span(b_begin, b_end, NB, tiles_e, KW)
+            e, count, route, a_row = _expert_routes(q, nth_b, ids_b, before_b, offs_b, n_r, top_k, DOWN, XL)
+            w_base, w_offs, s_base, s_offs, x_offs = _tile_offsets(
+                e, j, a_row, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, k_x, stride_xt, stride_we, stride_ww, stride_wse,
+                stride_wsn, N, DOWN, BLOCK_M, HALF)
+            w_base, w_offs, s_base, s_offs, x_base, x_offs = _run_bases(w_base, w_offs, s_base, s_offs, x_ptr,
+                                                                        x_offs, ROW_POINTERS)
+            words, sc, xv = _run_first(w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0, kb_last, w_c, w_s, w_x,
+                                       k_c, k_s, k_x, K, EVEN_K, ROW_WARPS)
+            b = b_begin
+            while b < b_end:
+                tile, run_end, kb0, kb_last, last, q, j = _run_span(b, b_end, NB, tiles_e, KW)
+                w_base, w_offs, s_base, s_offs, x_offs = _tile_offsets(
+                    e, j, a_row, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, k_x, stride_xt, stride_we, stride_ww,
+                    stride_wse, stride_wsn, N, DOWN, BLOCK_M, HALF)
+                w_base, w_offs, s_base, s_offs, x_base, x_offs = _run_bases(w_base, w_offs, s_base, s_offs, x_ptr,
+                                                                            x_offs, ROW_POINTERS)
+                acc, words, sc, xv = _run_steps(words, sc, xv, w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0,
+                                                kb_last, last, w_c, w_s, w_x, k_c, k_s, k_x, K, EVEN_K, DECODE,
+                                                WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, MMA, W4, A_OP, B_OP)
+                # the next run's first step
+                n_tile, n_end, n_kb0, n_kb_last, n_last, n_q, n_j = _run_span(gl.minimum(run_end, b_end - 1), b_end,
+                                                                              NB, tiles_e, KW)
+                if n_q != q:
+                    n_e, n_count, n_route, n_row = _expert_routes(n_q, nth_b, ids_b, before_b, offs_b, n_r, top_k,
+                                                                  DOWN, XL)
+                else:
+                    n_e, n_count, n_route, n_row = e, count, route, a_row
+                n_w_base, n_w_offs, n_s_base, n_s_offs, n_x_offs = _tile_offsets(
+                    n_e, n_j, n_row, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, k_x, stride_xt, stride_we, stride_ww,
+                    stride_wse, stride_wsn, N, DOWN, BLOCK_M, HALF)
+                n_w_base, n_w_offs, n_s_base, n_s_offs, n_x_base, n_x_offs = _run_bases(
+                    n_w_base, n_w_offs, n_s_base, n_s_offs, x_ptr, n_x_offs, ROW_POINTERS)
+                n_words, n_sc, n_xv = _run_first(n_w_base, n_w_offs, n_s_base, n_s_offs, n_x_base, n_x_offs, n_kb0,
+                                                 n_kb_last, w_c, w_s, w_x, k_c, k_s, k_x, K, EVEN_K, ROW_WARPS)
+                y = _run_last(words, sc, xv, acc, DECODE, WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, W4, A_OP, B_OP, ACC_B,
+                              O2)
+                _end_run(y, tile, e, route, count, j, pid, ctas, total, NB, first_tile, slots_per_cta, part_ptr,
+                         part_offs, cnt_ptr, wdec_ptr, out_ptr, tw_ptr, acc_ptr, tcnt_ptr, ids_b, offs_b, stride_om,
+                         N, top_k, tiles_e, DOWN, ACTIVATION, DECODE, LATE_CAST, BLOCK_M, BLOCK_T, HALF, O2, R2, Y3)
+                words, sc, xv = n_words, n_sc, n_xv
+                e, count, route, a_row = n_e, n_count, n_route, n_row
+                b = run_end
 
         if DOWN and LATE_CAST:  # every CTA arrives once (an empty range too); the last casts every token's sums
             gl.barrier()  # every thread's adds before the release of the count
