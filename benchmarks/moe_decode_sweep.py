@@ -302,6 +302,11 @@ for _name in ("dns-m32t8", "dns-m64t8-rw2"):
 # Up to 16 routes per expert (T = 9-16, where the table runs Triton downs): 187 registers on sm_120, 173 on sm_90
 # (220 without the option), so 2 CTAs per SM.
 STREAM_DOWN["dns-m32t16-lc"] = ("expert", False, MoeStreamTile(32, 16, ctas_per_sm=2, late_cast=True))
+# The late cast keeps no partial sums or per-token counts live: capped at 128 registers it compiles without stack on
+# sm_90 and sm_120 (124-126 registers), so 4 CTAs per SM ("-c4"; the plain streaming down spills under that cap).
+for _name in ("dns-m32t8-lc", "dns-m64t8-rw2-lc"):
+    _kind, _det, _tile = STREAM_DOWN[_name]
+    STREAM_DOWN[f"{_name}-c4"] = (_kind, _det, replace(_tile, max_regs=128, ctas_per_sm=4))
 # The late cast with the runs overlapped (see "-ov" above): at most 168 registers, 3 CTAs per SM, no stack.
 for _name in ("dns-m32t8-lc", "dns-m64t8-rw2-lc"):
     _kind, _det, _tile = STREAM_DOWN[_name]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The streaming down with the cast by the last CTA ("-lc") and the overlapped runs ("-ov") beside the table's downs,
-# alone and in layers (every candidate checked against moe_ref first): the GPU tests (the -lc downs twice after the
-# zeroing gate_up, graph replays, the overlapped gate_up's bits against the plain tile's); the narrow layers
+# The streaming down with the cast by the last CTA ("-lc"), the overlapped runs ("-ov") and 4 CTAs per SM ("-c4")
+# beside the table's downs, alone and in layers (every candidate checked against moe_ref first): the GPU tests (the
+# -lc downs twice after the zeroing gate_up, graph replays, the overlapped gate_up's bits against the plain tile's);
+# the narrow layers
 # (H = 2048) with the table's streaming gate_up and its overlapped twin at T = 1, 4, 8 (TOK and DOWNS narrow this
 # sweep); T = 12 and 16 with the table's Triton gate_up; with WIDE=1 the wide layers with the 32 x 8 gate_up.
 # About 7 minutes (8 with WIDE=1).  PARTS picks the parts where a call must be short: "a" the narrow layers at
@@ -26,7 +27,7 @@ PY
 if [[ ${PARTS:-a b} == *a* ]]; then
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -n 6 tests/kernels/test_gluon_moe_decode.py \
   -k "late or replays or overlapped" 2>&1 | tail -4
-sweep narrow $G,$G-ov qwen3-30b-a3b,qwen3-next-80b ${TOK:-1,4,8} ${DOWNS:-$D3,$DN,$S,$SL,$S2L,$SL-ov,$S2L-ov} 240
+sweep narrow $G,$G-ov qwen3-30b-a3b,qwen3-next-80b ${TOK:-1,4,8} ${DOWNS:-$D3,$DN,$S,$SL,$S2L,$SL-ov,$S2L-ov,$SL-c4,$S2L-c4} 270
 fi
 [[ ${PARTS:-a b} == *b* ]] || exit 0
 # T = 12 and 16 with the table's gate_up there, the 16-route streaming down beside the table's downs

@@ -553,7 +553,8 @@ def test_gpu_late_cast_down_against_reference(case):
     t, e, k, h, i, act, with_map, dtype = case
     x, w13, d13, w2, d2, tw, ti, emap = _problem(t, e, k, h, i, dtype=dtype, with_map=with_map, device="cuda")
     ref = moe_ref(x, w13, d13, w2, d2, tw, ti, activation=act, expert_map=emap)
-    for name in ("dns-m32t8-lc", "dns-m64t8-rw2-lc", "dns-m32t16-lc", "dns-m32t8-lc-ov", "dns-m64t8-rw2-lc-ov"):
+    for name in ("dns-m32t8-lc", "dns-m64t8-rw2-lc", "dns-m32t16-lc", "dns-m32t8-lc-ov", "dns-m64t8-rw2-lc-ov",
+                 "dns-m32t8-lc-c4"):
         dtile = SWEEP.STREAM_DOWN[name][2]
         if t > dtile.block_t:
             continue
