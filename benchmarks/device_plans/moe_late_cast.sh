@@ -27,7 +27,8 @@ PY
 if [[ ${PARTS:-a b} == *a* ]]; then
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -n 6 tests/kernels/test_gluon_moe_decode.py \
   -k "late or replays or overlapped" 2>&1 | tail -4
-sweep narrow $G,$G-ov qwen3-30b-a3b,qwen3-next-80b ${TOK:-1,4,8} ${DOWNS:-$D3,$DN,$S,$SL,$S2L,$SL-ov,$S2L-ov,$SL-c4,$S2L-c4} 270
+NARROW_DOWNS=$D3,$DN,$S,$SL,$S2L,$SL-ov,$S2L-ov,$SL-c4,$S2L-c4
+sweep narrow $G,$G-ov qwen3-30b-a3b,qwen3-next-80b ${TOK:-1,4,8} ${DOWNS:-$NARROW_DOWNS} 270
 fi
 [[ ${PARTS:-a b} == *b* ]] || exit 0
 # T = 12 and 16 with the table's gate_up there, the 16-route streaming down beside the table's downs
