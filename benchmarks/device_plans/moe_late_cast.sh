@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # The streaming down with the cast by the last CTA ("-lc"), the overlapped runs ("-ov") and 4 CTAs per SM ("-c4")
-# beside the table's downs, alone and in layers (every candidate checked against moe_ref first): the GPU tests (the
-# -lc downs twice after the zeroing gate_up, graph replays, the overlapped gate_up's bits against the plain tile's);
-# the narrow layers
+# beside the table's downs, alone and in layers (every candidate checked against moe_ref first): the narrow layers
 # (H = 2048) with the table's streaming gate_up and its overlapped twin at T = 1, 4, 8 (TOK and DOWNS narrow this
-# sweep); T = 12 and 16 with the table's Triton gate_up; with WIDE=1 the wide layers with the 32 x 8 gate_up.
+# sweep), then the GPU tests (the -lc downs twice after the zeroing gate_up, graph replays, the overlapped gate_up's
+# bits against the plain tile's); T = 12 and 16 with the table's Triton gate_up; with WIDE=1 the wide layers.
 # About 7 minutes (8 with WIDE=1).  PARTS picks the parts where a call must be short: "a" the narrow layers at
 # T <= 8 and the GPU tests (~5 min), "b" T = 12 and 16 (and WIDE).
 set -x
@@ -20,15 +19,16 @@ sweep() {  # name, gate_ups, shapes, tokens, downs, seconds (pairs: every gate_u
 import json, sys
 for r in json.load(open(sys.argv[1]))["rows"]:
     print(r["shape"], "T", r["T"], "floor", round(r["floor_us"], 1), "failed", r["failed"])
+    print("   gate_up alone:", {k: round(v, 1) for k, v in r["gate_up_us"].items()}, r["errors"])
     print("   down alone:", {k: round(v, 1) for k, v in r["down_us"].items()})
     print("   layer:", {k: round(v, 1) for k, v in r["pairs_us"].items()})
 PY
 }
 if [[ ${PARTS:-a b} == *a* ]]; then
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -n 6 tests/kernels/test_gluon_moe_decode.py \
-  -k "late or replays or overlapped" 2>&1 | tail -4
 NARROW_DOWNS=$D3,$DN,$S,$SL,$S2L,$SL-ov,$S2L-ov,$SL-c4,$S2L-c4
 sweep narrow $G,$G-ov qwen3-30b-a3b,qwen3-next-80b ${TOK:-1,4,8} ${DOWNS:-$NARROW_DOWNS} 270
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -n 6 tests/kernels/test_gluon_moe_decode.py \
+  -k "late or replays or overlapped" 2>&1 | tail -4
 fi
 [[ ${PARTS:-a b} == *b* ]] || exit 0
 # T = 12 and 16 with the table's gate_up there, the 16-route streaming down beside the table's downs
