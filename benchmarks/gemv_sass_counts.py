@@ -47,8 +47,7 @@ def stream_variant(tile, arch, decode, dtype="bf16"):
     sig = dict(gs.STREAM_SIGNATURE)
     for a in ("x_ptr", "bias_ptr", "out_ptr"):
         sig[a] = f"*{dtype}"
-    consts = dict(HAS_BIAS=False, DECODE=decode, EVEN_K=True, BLOCK_M=tile.block_m, BLOCK_T=tile.block_t,
-                  WARPS=tile.num_warps, ROW_WARPS=tile.row_warps)
+    consts = dict(HAS_BIAS=False, DECODE=decode, EVEN_K=True, **tile.constexprs)
     rep = compile_kernel("vllm_nvfp4_sm120.kernels.gluon_gemv_stream:_stream_kernel", sig, consts, arch=arch,
                          num_warps=tile.num_warps, divisible=gs.STREAM_DIVISIBLE, gluon=True, maxnreg=tile.max_regs)
     loop = main_loop(rep.sass)

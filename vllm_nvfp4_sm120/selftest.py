@@ -221,8 +221,7 @@ def _compile_gluon_gemv_stream() -> str:
     tile = stream_plan(8, 0, 0, 170).tile  # the T <= 8 tile of the built-in plan, with its register cap
     rep = compile_kernel(
         "vllm_nvfp4_sm120.kernels.gluon_gemv_stream:_stream_kernel", gs.STREAM_SIGNATURE,
-        dict(HAS_BIAS=False, DECODE=gs.DECODE_CVT, EVEN_K=True, BLOCK_M=tile.block_m, BLOCK_T=tile.block_t,
-             WARPS=tile.num_warps, ROW_WARPS=tile.row_warps),
+        dict(HAS_BIAS=False, DECODE=gs.DECODE_CVT, EVEN_K=True, **tile.constexprs),
         divisible=gs.STREAM_DIVISIBLE, num_warps=tile.num_warps, gluon=True, maxnreg=tile.max_regs)
     rep.require_ptx(r"cvt\.rn\.bf16x2\.e2m1x2").require_ptx(r"atom\.global\.gpu\.acq_rel\.add")
     rep.require_sass(SASS_HMMA_BF16).require_no_local().require_smem()

@@ -15,7 +15,9 @@ The GPU tests run every tile against the reference on odd and real shapes, and u
 from __future__ import annotations
 
 import random
+import re
 import struct
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -457,6 +459,15 @@ def test_register_cap_is_a_launch_option_and_a_plan_parameter_only_where_set():
         assert gs.StreamTile(**tile.params()) == tile
 
 
+def test_overlap_runs_is_a_compile_time_argument_and_a_plan_parameter_only_where_set():
+    plain = gs.StreamTile(32, 8, max_regs=128)
+    ov = replace(plain, overlap_runs=True)
+    assert "overlap_runs" not in plain.params() and ov.params()["overlap_runs"] is True
+    assert gs.StreamTile(**ov.params()) == ov
+    assert plain.constexprs["OVERLAP_RUNS"] is False and ov.constexprs["OVERLAP_RUNS"] is True
+    assert ov.launch_options == plain.launch_options
+
+
 # ------------------------------------------------------------------------------------------------------------
 # 4. Launcher checks (no launch on CPU: they fail or return before it)
 # ------------------------------------------------------------------------------------------------------------
@@ -504,8 +515,7 @@ def compile_stream(tile, arch=120, decode=gs.DECODE_CVT, dtype="bf16", even_k=Tr
         sig = dict(gs.STREAM_SIGNATURE)
         for a in ("x_ptr", "bias_ptr", "out_ptr"):
             sig[a] = f"*{dtype}"
-        consts = dict(HAS_BIAS=True, DECODE=decode, EVEN_K=even_k, BLOCK_M=tile.block_m, BLOCK_T=tile.block_t,
-                      WARPS=tile.num_warps, ROW_WARPS=tile.row_warps)
+        consts = dict(HAS_BIAS=True, DECODE=decode, EVEN_K=even_k, **tile.constexprs)
         _compiled[key] = compile_kernel(KERNEL, sig, consts, arch=arch, num_warps=tile.num_warps,
                                         divisible=gs.STREAM_DIVISIBLE, gluon=True, maxnreg=tile.max_regs)
     return _compiled[key]
@@ -580,6 +590,26 @@ def test_other_decodes_and_fp16_compile(arch, decode, dtype):
     elif decode == gs.DECODE_PORTABLE:
         # the lop3/prmt table: 10 prmt per word for bf16, 8 for fp16
         assert main_loop(rep.sass).count("PRMT") >= (10 if dtype == "bf16" else 8) * words_per_iteration(tile)
+
+
+OVERLAP_TILES = [t for t in gs.STREAM_TILES if t.overlap_runs]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch,decode", [(120, gs.DECODE_CVT), (90, gs.DECODE_SHIFT)])
+@pytest.mark.parametrize("tile", OVERLAP_TILES, ids=str)
+def test_overlapped_runs_keep_the_loop_and_the_cap(tile, arch, decode):
+    """The overlapped runs' main loop has the plain tile's loads, decode and MMAs, the kernel one step's loads more
+    (the next run's first step), and the tile fits its register cap without local memory."""
+    ov = compile_stream(tile, arch=arch, decode=decode).require_no_local().require_smem()
+    plain = compile_stream(replace(tile, overlap_runs=False), arch=arch, decode=decode)
+    loop, plain_loop = main_loop(ov.sass), main_loop(plain.sass)
+    for op in (r"HMMA.*", r"HMUL2.*", r"F2FP\.BF16\.E2M1.*", r"LDG.*", r"LOP3.*", r"IMAD\.HI.*"):
+        assert loop.count(op) == plain_loop.count(op), (op, loop.ops, plain_loop.ops)
+    ldg = lambda rep: len(re.findall(r"\bLDG\.", rep.sass))  # noqa: E731
+    assert ldg(ov) == ldg(plain) + loop.count(r"LDG.*") // 2  # the main loop is two steps
+    assert ov.registers <= tile.max_regs
+    print(ov.summary(), f"against {plain.registers} registers without")
 
 
 @pytest.mark.compile
@@ -677,6 +707,24 @@ def test_gpu_real_shapes_with_the_planned_tile(gen, n, k):
         got = gs.gemv_stream(x, codes, scales, dec_rows, tile=plan.tile, ctas=plan.ctas, bias=bias)
         want = linear_w4a16_ref(x, codes, scales, dec_rows, bias=bias)
         torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-4, msg=lambda m: f"T = {t}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", OVERLAP_TILES, ids=str)
+@pytest.mark.parametrize("n,k", SMALL + [(5120, 8192)])
+def test_gpu_overlapped_runs_change_no_bit(gen, tile, n, k):
+    """The overlapped runs load the same blocks earlier and reduce the same partials in the same order: the bits of
+    the plain tile, on grids where CTAs cross row tiles (several runs each) and where they do not."""
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    p = make_linear(n, k, gen=gen).to("cuda")
+    for t in sorted({1, tile.block_t}):
+        x = torch.randn(t, k, generator=gen).to(torch.bfloat16).cuda()
+        for ctas in (1, 7, sm, 3 * sm):
+            got = gs.gemv_stream(x, p.codes, p.scales, p.dec_rows, tile=tile, ctas=ctas)
+            plain = gs.gemv_stream(x, p.codes, p.scales, p.dec_rows, tile=replace(tile, overlap_runs=False),
+                                   ctas=ctas)
+            assert torch.equal(got, plain), (t, ctas)
+        torch.testing.assert_close(got, linear_w4a16_ref(x, p.codes, p.scales, p.dec_rows), rtol=1.6e-2, atol=1e-4)
 
 
 @pytest.mark.gpu

@@ -170,6 +170,9 @@ class StreamTile:
     # decide how many CTAs an SM holds at once, i.e. the warps that hide each other's stalls and the bytes in
     # flight; a cap is only worth it where the kernel still fits without spilling (the compile tests check).
     max_regs: int | None = None
+    # Each run's first step loaded before the previous run's last step and its reduction: a CTA whose range crosses
+    # a row tile keeps loads in flight across the boundary instead of waiting for the shared tile's count.
+    overlap_runs: bool = False
 
     def __post_init__(self):
         if self.block_t not in (8, 16) or self.num_warps not in (2, 4, 8) or self.row_warps not in (1, 2, 4):
@@ -183,12 +186,20 @@ class StreamTile:
         return self.num_warps // self.row_warps
 
     def params(self) -> dict:
-        """The tile as plan parameters (``StreamTile(**params)`` rebuilds it): its fields, ``max_regs`` only where
-        set, so the tiles without a cap keep the names and config rows they always had."""
+        """The tile as plan parameters (``StreamTile(**params)`` rebuilds it): its fields, ``max_regs`` and
+        ``overlap_runs`` only where set, so the other tiles keep the names and config rows they always had."""
         out = dict(vars(self))
         if out["max_regs"] is None:
             del out["max_regs"]
+        if not out["overlap_runs"]:
+            del out["overlap_runs"]
         return out
+
+    @property
+    def constexprs(self) -> dict:
+        """The kernel's compile-time arguments this tile sets."""
+        return dict(BLOCK_M=self.block_m, BLOCK_T=self.block_t, WARPS=self.num_warps, ROW_WARPS=self.row_warps,
+                    OVERLAP_RUNS=self.overlap_runs)
 
     @property
     def launch_options(self) -> dict:
@@ -206,6 +217,9 @@ STREAM_TILES = (
     # instead of 28.6: each activation register serves half as many weight rows.)
     StreamTile(32, 8, max_regs=128), StreamTile(16, 8, max_regs=96), StreamTile(32, 8, 4, 2, max_regs=96),
     StreamTile(64, 8, 4, 4, max_regs=96), StreamTile(32, 16, max_regs=168),
+    # The built-in plan's tiles with the runs overlapped, within the same caps (compile tests).
+    StreamTile(32, 8, max_regs=128, overlap_runs=True), StreamTile(32, 16, max_regs=168, overlap_runs=True),
+    StreamTile(16, 8, max_regs=96, overlap_runs=True),
 )
 
 
@@ -285,6 +299,7 @@ STREAM_SIGNATURE = {
     "stride_ot": "i32", "total_blocks": "i32", "slots_per_cta": "i32",
     "HAS_BIAS": "constexpr", "DECODE": "constexpr", "EVEN_K": "constexpr",
     "BLOCK_M": "constexpr", "BLOCK_T": "constexpr", "WARPS": "constexpr", "ROW_WARPS": "constexpr",
+    "OVERLAP_RUNS": "constexpr",
 }
 # What the JIT marks divisible by 16 on checkpoint shapes (K % 256 == 0: every row stride is; the code row
 # stride is in 32-bit words, K / 8).
@@ -381,6 +396,15 @@ if HAS_GLUON:
         """Each warp's block of a step, clamped to the run, in the three load layouts."""
         return (gl.minimum(kb_w + offset, kb_last), gl.minimum(kb_s + offset, kb_last),
                 gl.minimum(kb_x + offset, kb_last))
+
+    @gluon.jit
+    def _run_span(b, b_end, NB, KW: gl.constexpr):
+        """The run that starts at block ``b`` of a CTA's range ``[.., b_end)`` (a list of row tiles of NB 128-k
+        blocks each): ``(tile, run_end, kb0, kb_last, last)``, its row tile, where it ends, its first and last block
+        in the row and the index of its last step."""
+        tile = b // NB
+        run_end = gl.minimum(b_end, (tile + 1) * NB)
+        return tile, run_end, b - tile * NB, run_end - tile * NB - 1, gl.cdiv(run_end - b, KW) - 1
 
     @gluon.jit
     def _run_product(w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0, kb_last, last, w_c, w_s, w_x, k_c, k_s,
@@ -507,6 +531,7 @@ if HAS_GLUON:
         T, N, K, stride_xt, stride_ww, stride_wsn, stride_ot, total_blocks, slots_per_cta,
         HAS_BIAS: gl.constexpr, DECODE: gl.constexpr, EVEN_K: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr, WARPS: gl.constexpr, ROW_WARPS: gl.constexpr,
+        OVERLAP_RUNS: gl.constexpr,
     ):
         # Warp w = kw * ROW_WARPS + rw takes rows [rw * BMW, (rw + 1) * BMW) of the row tile and block kw of
         # each step (the ROW_WARPS warps of one kw read the same activations: the second read is an L1 hit).
@@ -555,37 +580,73 @@ if HAS_GLUON:
         b_begin = pid * total_blocks // ctas
         b_end = (pid + 1) * total_blocks // ctas
         first_tile = b_begin // NB
-        b = b_begin
-        while b < b_end:
-            tile = b // NB
-            run_end = gl.minimum(b_end, (tile + 1) * NB)
-            kb0 = b - tile * NB
-            kb_last = run_end - tile * NB - 1
-            last = gl.cdiv(run_end - b, KW) - 1  # index of the run's last step
+        if not OVERLAP_RUNS:
+            b = b_begin
+            while b < b_end:
+                tile, run_end, kb0, kb_last, last = _run_span(b, b_end, NB, KW)
+                w_base, w_offs, s_base, s_offs = _row_tile(tile, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, N, stride_ww,
+                                                           stride_wsn, BLOCK_M)
+                y = _run_product(w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0, kb_last, last, w_c, w_s, w_x,
+                                 k_c, k_s, k_x, K, EVEN_K, DECODE, WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, MMA, W4, A_OP,
+                                 B_OP, ACC_B, O2)
+                _end_tile(y, tile, pid, pid_t, ctas, total_blocks, NB, first_tile, slots_per_cta, part_ptr, part_offs,
+                          cnt_ptr + pid_t * tiles_m + tile, rows_o, toks_o, wdec_ptr, bias_ptr, out_ptr, stride_ot, T,
+                          N, HAS_BIAS, DECODE, BLOCK_M, BLOCK_T, O2)
+                b = run_end
+        elif b_begin < b_end:
+            # The same runs, each run's first step loaded before the previous run's last step and its reduction
+            # (the MoE kernel's overlapped runs; the run after the CTA's last loads that run's last block again).
+            tile, run_end, kb0, kb_last, last = _run_span(b_begin, b_end, NB, KW)
+            w_base, w_offs, s_base, s_offs = _row_tile(tile, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, N, stride_ww,
+                                                       stride_wsn, BLOCK_M)
+            words, sc, xv = _run_first(w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0, kb_last, w_c, w_s, w_x,
+                                       k_c, k_s, k_x, K, EVEN_K, ROW_WARPS)
+            b = b_begin
+            while b < b_end:
+                tile, run_end, kb0, kb_last, last = _run_span(b, b_end, NB, KW)
+                w_base, w_offs, s_base, s_offs = _row_tile(tile, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, N, stride_ww,
+                                                           stride_wsn, BLOCK_M)
+                acc, words, sc, xv = _run_steps(words, sc, xv, w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0,
+                                                kb_last, last, w_c, w_s, w_x, k_c, k_s, k_x, K, EVEN_K, DECODE,
+                                                WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, MMA, W4, A_OP, B_OP)
+                n_tile, n_end, n_kb0, n_kb_last, n_last = _run_span(gl.minimum(run_end, b_end - 1), b_end, NB, KW)
+                n_w_base, n_w_offs, n_s_base, n_s_offs = _row_tile(n_tile, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, N,
+                                                                   stride_ww, stride_wsn, BLOCK_M)
+                n_words, n_sc, n_xv = _run_first(n_w_base, n_w_offs, n_s_base, n_s_offs, x_base, x_offs, n_kb0,
+                                                 n_kb_last, w_c, w_s, w_x, k_c, k_s, k_x, K, EVEN_K, ROW_WARPS)
+                y = _run_last(words, sc, xv, acc, DECODE, WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, W4, A_OP, B_OP, ACC_B,
+                              O2)
+                _end_tile(y, tile, pid, pid_t, ctas, total_blocks, NB, first_tile, slots_per_cta, part_ptr, part_offs,
+                          cnt_ptr + pid_t * tiles_m + tile, rows_o, toks_o, wdec_ptr, bias_ptr, out_ptr, stride_ot, T,
+                          N, HAS_BIAS, DECODE, BLOCK_M, BLOCK_T, O2)
+                words, sc, xv = n_words, n_sc, n_xv
+                b = run_end
 
-            # Rows past N re-read row N - 1 (no masks on the weight stream); only the store is masked.
-            row0 = tile * BLOCK_M
-            w_base = w_ptr + row0.to(gl.int64) * stride_ww
-            w_offs = (gl.minimum(row0 + row_c, N - 1) - row0) * stride_ww + k_c
-            s_base = ws_ptr + row0.to(gl.int64) * stride_wsn
-            s_offs = (gl.minimum(row0 + row_s, N - 1) - row0) * stride_wsn + k_s
+    @gluon.jit
+    def _row_tile(tile, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, N, stride_ww, stride_wsn, BLOCK_M: gl.constexpr):
+        """Row tile ``tile``'s code and scale bases and per-lane offsets.  Rows past N re-read row N - 1 (no masks
+        on the weight stream); only the store is masked."""
+        row0 = tile * BLOCK_M
+        return (w_ptr + row0.to(gl.int64) * stride_ww, (gl.minimum(row0 + row_c, N - 1) - row0) * stride_ww + k_c,
+                ws_ptr + row0.to(gl.int64) * stride_wsn, (gl.minimum(row0 + row_s, N - 1) - row0) * stride_wsn + k_s)
 
-            y = _run_product(w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0, kb_last, last, w_c, w_s, w_x,
-                             k_c, k_s, k_x, K, EVEN_K, DECODE, WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, MMA, W4, A_OP,
-                             B_OP, ACC_B, O2)
-            rows = tile * BLOCK_M + rows_o
-            row_ok = rows < N
-            done, y = _reduce_tile(y, tile, pid, pid_t, ctas, total_blocks, NB, first_tile, slots_per_cta, part_ptr,
-                                   part_offs, cnt_ptr + pid_t * tiles_m + tile, BLOCK_M, BLOCK_T, O2)
-            if done:
-                if DECODE == 2:
-                    y = y * _EPILOGUE_SHIFT
-                y = y * gl.load(wdec_ptr + rows, mask=row_ok, other=0.0)[:, None]
-                if HAS_BIAS:
-                    y += gl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(gl.float32)[:, None]
-                out_ptrs = out_ptr + toks_o[None, :].to(gl.int64) * stride_ot + rows[:, None]
-                gl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (toks_o[None, :] < T))
-            b = run_end
+    @gluon.jit
+    def _end_tile(y, tile, pid, pid_t, ctas, total_blocks, NB, first_tile, slots_per_cta, part_ptr, part_offs, cnt,
+                  rows_o, toks_o, wdec_ptr, bias_ptr, out_ptr, stride_ot, T, N, HAS_BIAS: gl.constexpr,
+                  DECODE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr, O2: gl.constexpr):
+        """A run's products into the shared tile's sum; the CTA that completes it applies the epilogue."""
+        rows = tile * BLOCK_M + rows_o
+        row_ok = rows < N
+        done, y = _reduce_tile(y, tile, pid, pid_t, ctas, total_blocks, NB, first_tile, slots_per_cta, part_ptr,
+                               part_offs, cnt, BLOCK_M, BLOCK_T, O2)
+        if done:
+            if DECODE == 2:
+                y = y * _EPILOGUE_SHIFT
+            y = y * gl.load(wdec_ptr + rows, mask=row_ok, other=0.0)[:, None]
+            if HAS_BIAS:
+                y += gl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(gl.float32)[:, None]
+            out_ptrs = out_ptr + toks_o[None, :].to(gl.int64) * stride_ot + rows[:, None]
+            gl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (toks_o[None, :] < T))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -623,8 +684,7 @@ def gemv_stream(x, w_codes, w_scales, w_dec_rows, *, tile: StreamTile, ctas: int
         t, n, k, x.stride(0), w_codes.stride(0) // 4, w_scales.stride(0), out.stride(0),
         grid.total_blocks, grid.slots_per_cta,
         HAS_BIAS=bias is not None, DECODE=decode, EVEN_K=k % K_BLOCK == 0,
-        BLOCK_M=tile.block_m, BLOCK_T=tile.block_t, WARPS=tile.num_warps, ROW_WARPS=tile.row_warps,
-        **tile.launch_options,
+        **tile.constexprs, **tile.launch_options,
     )
     return out
 
@@ -647,8 +707,7 @@ def prepare_gemv_stream(t: int, n: int, k: int, device, dtype, *, tile: StreamTi
     counters = StreamCounters(grid.counters_numel, device)
     launch = ReadyKernel(
         _stream_kernel, (grid.ctas, grid.tiles_t), total_blocks=grid.total_blocks, slots_per_cta=grid.slots_per_cta,
-        HAS_BIAS=has_bias, DECODE=decode, EVEN_K=k % K_BLOCK == 0, BLOCK_M=tile.block_m, BLOCK_T=tile.block_t,
-        WARPS=tile.num_warps, ROW_WARPS=tile.row_warps, **tile.launch_options)
+        HAS_BIAS=has_bias, DECODE=decode, EVEN_K=k % K_BLOCK == 0, **tile.constexprs, **tile.launch_options)
 
     def run(x, w_codes, w_scales_u8, w_dec_rows, bias, out):
         part = torch.empty(partials, dtype=torch.float32, device=device)

@@ -47,7 +47,7 @@ from .gluon_gemv_stream import DECODE_NAMES, K_BLOCK, default_stream_decode
 
 if HAS_GLUON:
     from .gluon_gemv_stream import (_EPILOGUE_SHIFT, _reduce_tile, _run_bases, _run_first, _run_last,
-                                    _run_product, _run_steps)
+                                    _run_product, _run_span, _run_steps)
 
 
 @dataclass(frozen=True)
@@ -195,15 +195,12 @@ if HAS_GLUON:
         return g * up
 
     @gluon.jit
-    def _run_span(b, b_end, NB, tiles_e, KW: gl.constexpr):
-        """The run that starts at block ``b`` of the CTA's range ``[.., b_end)``: ``(tile, run_end, kb0, kb_last,
-        last, q, j)``, its list tile ``q * tiles_e + j`` (expert rank q, row tile j), its first and last 128-k block
-        in the row and the index of its last step."""
-        tile = b // NB
-        run_end = gl.minimum(b_end, (tile + 1) * NB)
+    def _expert_run(b, b_end, NB, tiles_e, KW: gl.constexpr):
+        """The run at block ``b`` (:func:`.gluon_gemv_stream._run_span`) and its list tile's expert rank q and row
+        tile j: ``(tile, run_end, kb0, kb_last, last, q, j)``."""
+        tile, run_end, kb0, kb_last, last = _run_span(b, b_end, NB, KW)
         q = tile // tiles_e
-        return (tile, run_end, b - tile * NB, run_end - tile * NB - 1, gl.cdiv(run_end - b, KW) - 1, q,
-                tile - q * tiles_e)
+        return tile, run_end, kb0, kb_last, last, q, tile - q * tiles_e
 
     @gluon.jit
     def _expert_routes(q, nth_b, ids_b, before_b, offs_b, n_r, top_k, DOWN: gl.constexpr, XL: gl.constexpr):
@@ -351,7 +348,7 @@ if HAS_GLUON:
         if not OVERLAP_RUNS:
             b = b_begin
             while b < b_end:
-                tile, run_end, kb0, kb_last, last, q, j = _run_span(b, b_end, NB, tiles_e, KW)
+                tile, run_end, kb0, kb_last, last, q, j = _expert_run(b, b_end, NB, tiles_e, KW)
                 e, count, route, a_row = _expert_routes(q, nth_b, ids_b, before_b, offs_b, n_r, top_k, DOWN, XL)
                 w_base, w_offs, s_base, s_offs, x_offs = _tile_offsets(
                     e, j, a_row, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, k_x, stride_xt, stride_we, stride_ww,
@@ -368,7 +365,7 @@ if HAS_GLUON:
             # epilogue (the reduction and the atomics), so a short run's loads do not wait for the one before to
             # end; the routing is computed again only where the expert changes.  The run after the CTA's last
             # loads that run's last block again (an L1 / L2 hit), which keeps the loop free of a branch there.
-            tile, run_end, kb0, kb_last, last, q, j = _run_span(b_begin, b_end, NB, tiles_e, KW)
+            tile, run_end, kb0, kb_last, last, q, j = _expert_run(b_begin, b_end, NB, tiles_e, KW)
             e, count, route, a_row = _expert_routes(q, nth_b, ids_b, before_b, offs_b, n_r, top_k, DOWN, XL)
             w_base, w_offs, s_base, s_offs, x_offs = _tile_offsets(
                 e, j, a_row, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, k_x, stride_xt, stride_we, stride_ww, stride_wse,
@@ -379,7 +376,7 @@ if HAS_GLUON:
                                        k_c, k_s, k_x, K, EVEN_K, ROW_WARPS)
             b = b_begin
             while b < b_end:
-                tile, run_end, kb0, kb_last, last, q, j = _run_span(b, b_end, NB, tiles_e, KW)
+                tile, run_end, kb0, kb_last, last, q, j = _expert_run(b, b_end, NB, tiles_e, KW)
                 w_base, w_offs, s_base, s_offs, x_offs = _tile_offsets(
                     e, j, a_row, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, k_x, stride_xt, stride_we, stride_ww,
                     stride_wse, stride_wsn, N, DOWN, BLOCK_M, HALF)
@@ -389,8 +386,8 @@ if HAS_GLUON:
                                                 kb_last, last, w_c, w_s, w_x, k_c, k_s, k_x, K, EVEN_K, DECODE,
                                                 WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, MMA, W4, A_OP, B_OP)
                 # the next run's first step
-                n_tile, n_end, n_kb0, n_kb_last, n_last, n_q, n_j = _run_span(gl.minimum(run_end, b_end - 1), b_end,
-                                                                              NB, tiles_e, KW)
+                n_tile, n_end, n_kb0, n_kb_last, n_last, n_q, n_j = _expert_run(gl.minimum(run_end, b_end - 1),
+                                                                                b_end, NB, tiles_e, KW)
                 if n_q != q:
                     n_e, n_count, n_route, n_row = _expert_routes(n_q, nth_b, ids_b, before_b, offs_b, n_r, top_k,
                                                                   DOWN, XL)
