@@ -141,13 +141,16 @@ def moe_plan(capability: tuple[int, int] | None, *, w4a4: bool, hidden: int, int
                                          hidden=hidden, intermediate=intermediate, w4a4=w4a4)
         m = dispatch_moe.tokens_per_expert(t, top_k, experts)
         stream = isinstance(p.gate_up, MoeStreamTile)  # the streaming Gluon gate_up
-        tma = "TMA " if (not stream and p.gate_up.use_tma) or p.down.use_tma else ""
-        down = "gate_up and down in one launch" if p.decode_down == "fused" else f"{p.decode_down}-major down"
+        tma = "TMA " if (not stream and p.gate_up.use_tma) or (p.stream_down is None and p.down.use_tma) else ""
+        down = ("gate_up and down in one launch" if p.decode_down == "fused"
+                else "streaming expert-major down" if p.stream_down is not None else f"{p.decode_down}-major down")
         kind = (f"{p.kernel} align-free decode ({down})" if p.impl == "decode" else f"{p.kernel} BLOCK_M {p.block_m}")
         gate_up = (f"streaming {p.gate_up.block_m}x{p.gate_up.block_t}" if stream
                    else f"{p.gate_up.block_n}x{p.gate_up.block_k}")
+        down_tile = (f"streaming {p.stream_down.block_m}x{p.stream_down.block_t}" if p.stream_down is not None
+                     else f"{p.down.block_n}x{p.down.block_k}")
         out.append((f"T = {t} ({m:g} rows/expert)",
-                    f"{kind}, gate_up {gate_up} / down {p.down.block_n}x{p.down.block_k} {tma}[{p.tier}]"))
+                    f"{kind}, gate_up {gate_up} / down {down_tile} {tma}[{p.tier}]"))
     return out
 
 

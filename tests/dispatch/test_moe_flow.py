@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from vllm_nvfp4_sm120.dispatch.hw import NO_GPU, Capability
+from vllm_nvfp4_sm120.dispatch import moe_flow
 from vllm_nvfp4_sm120.dispatch.moe import (
+    DECODE_STREAM_DOWN_TILES,
     W4A4_MIN_TOKENS_PER_EXPERT,
     DecodeDown,
     all_moe_plans,
@@ -295,6 +297,20 @@ def test_decode_plan_with_split_k_down(deterministic, gen):
         assert torch.equal(a, b)
 
 
+def test_deterministic_mode_runs_the_rows_triton_down_instead_of_the_streaming_one(gen):
+    # The streaming down adds by fp32 atomics: deterministic mode (and batch invariance) runs the plan's Triton
+    # expert-major down with its per-route rows, bit-identical run to run (here in the interpreter, where the
+    # streaming Gluon kernel could not run at all).
+    plan = decode_tier_plan(SM90, 4, hidden=112, intermediate=96)
+    stream = DECODE_STREAM_DOWN_TILES["dns-m64t8-rw2-lc-c4"]
+    plan = replace(plan, gate_up=decode_tier_plan(SM90, 2, hidden=112, intermediate=96).gate_up, stream_down=stream)
+    a = run_case(plan, 3, 2, torch.Generator().manual_seed(7), e=8, h=112, i=96, deterministic=True)
+    b = run_case(plan, 3, 2, torch.Generator().manual_seed(7), e=8, h=112, i=96, deterministic=True)
+    assert torch.equal(a, b)
+    (entry,) = [e for e in moe_flow._CACHE.values() if e.plan.down == plan.down]
+    assert entry.deterministic and entry.plan.stream_down is None
+
+
 def test_decode_strided_routing(gen):
     plan = decode_tier_plan(SM90, 1, hidden=112, intermediate=96)
     w13, d13, w2, d2 = make_layer(8, 112, 96, gen)
@@ -419,7 +435,13 @@ def test_dispatch_decode_rows(monkeypatch):
                     stream = t <= 8 and (h >= 7168 or (h >= 4096 and t >= 2) or (h >= 2048 and t >= 4))
                     name_ = "gus-m32t8" if h >= 4096 else "gus-m64t8-rw2"
                     assert (p.gate_up == M.DECODE_STREAM_GATE_UP_TILES[name_]) == stream, (cap, name, t)
-                    assert p.tier.endswith("/stream") == stream
+                    assert ("stream" in p.tier.split("/")) == stream
+                    # The streaming late-cast down where it won in the layer (H100 runs 73-75): an expert-major
+                    # down at H = 7168 at T = 1-8, from H = 2048 at T = 4-8; the row's Triton down stays the plan's
+                    # down (what deterministic mode runs).
+                    sdown = p.decode_down == "expert" and t <= 8 and (h >= 7168 or t >= 4)
+                    assert (p.stream_down == M.DECODE_STREAM_DOWN_TILES["dns-m64t8-rw2-lc-c4"]) == sdown, (name, t)
+                    assert (p.stream_down is None) == (not sdown) and p.tier.endswith("/stream-down") == sdown
                     if stream:
                         assert p.tma[0] is False
                         continue
@@ -441,6 +463,7 @@ def test_dispatch_decode_rows(monkeypatch):
     assert all(plan(t, "deepseek-v3").gate_up == M.DECODE_GATE_UP_TILES["gu-n32k128-w1-st3-shift"]
                for t in (1, 2, 4, 8))
     assert plan(8).gate_up == M.DECODE_GATE_UP_TILES["gu-n32k128-w2-st3-shift"]
+    assert all(plan(t, name).stream_down is None for t in (1, 4, 8) for name in H200_SHAPES)
     monkeypatch.delenv("VLLM_NVFP4_SM120_DISABLE_GLUON")
     # below the measured H (2048) the Triton rows at every T
     assert decode_tier_plan(SM90, 8, hidden=1024, intermediate=768).gate_up == M.DECODE_GATE_UP_TILES[

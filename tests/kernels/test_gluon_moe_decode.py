@@ -51,9 +51,10 @@ def test_tile_rules():
             gm.MoeStreamTile(**bad)
     assert gm.MoeStreamTile(32, 8, max_regs=128).launch_options == {"num_warps": 4, "maxnreg": 128}
     assert gm.MoeStreamTile(64, 8, row_warps=2).constexprs == dict(
-        BLOCK_M=64, BLOCK_T=8, WARPS=4, ROW_WARPS=2, ROW_POINTERS=False, LATE_CAST=False)
+        BLOCK_M=64, BLOCK_T=8, WARPS=4, ROW_WARPS=2, ROW_POINTERS=False, LATE_CAST=False, OVERLAP_RUNS=False)
     assert gm.MoeStreamTile(32, 8, row_pointers=True).constexprs["ROW_POINTERS"] is True
     assert gm.MoeStreamTile(32, 8, late_cast=True).constexprs["LATE_CAST"] is True
+    assert gm.MoeStreamTile(32, 8, overlap_runs=True).constexprs["OVERLAP_RUNS"] is True
 
 
 def test_grid_sizes_the_largest_list():
@@ -367,12 +368,17 @@ def _words(tile) -> int:
 
 def test_the_dispatch_tiles_are_among_the_compiled_ones():
     from vllm_nvfp4_sm120.dispatch.hw import Capability
-    from vllm_nvfp4_sm120.dispatch.moe import DECODE_STREAM_GATE_UP_TILES, all_moe_plans
+    from vllm_nvfp4_sm120.dispatch.moe import DECODE_STREAM_DOWN_TILES, DECODE_STREAM_GATE_UP_TILES, all_moe_plans
 
     assert set(DECODE_STREAM_GATE_UP_TILES.values()) <= set(TILES.values())
+    downs = {tile for _, _, tile in SWEEP.STREAM_DOWN.values()}  # compiled in their down mode below
+    assert set(DECODE_STREAM_DOWN_TILES.values()) <= downs
     for cc in (90, 120):
-        used = {p.gate_up for p in all_moe_plans(Capability(cc)) if isinstance(p.gate_up, gm.MoeStreamTile)}
+        plans = all_moe_plans(Capability(cc))
+        used = {p.gate_up for p in plans if isinstance(p.gate_up, gm.MoeStreamTile)}
         assert used and used <= set(TILES.values()), cc
+        used_downs = {p.stream_down for p in plans if p.stream_down is not None}
+        assert used_downs and used_downs <= downs, cc
 
 
 # (name, mode): the sweep's gate_up and down tiles, each in its mode

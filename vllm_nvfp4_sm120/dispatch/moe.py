@@ -113,6 +113,9 @@ class MoePlan:
     # TMA path take it in their tile's use_tma (the Triton W4A4 GEMMs have none).
     tma: tuple[bool, bool] = (False, False)
     decode_down: DecodeDown | None = None  # Impl.DECODE: which down kernel
+    # Impl.DECODE, expert-major: the streaming Gluon down that runs instead of ``down`` (fp32 atomics, so not in
+    # deterministic mode, where ``down`` runs)
+    stream_down: MoeStreamTile | None = None
 
     def gate_up_kwargs(self) -> dict:
         if self.impl == Impl.DECODE:
@@ -308,6 +311,43 @@ _DECODE_STREAM_ROWS = {
 }
 
 
+# The streaming Gluon down with the cast by the last CTA (kernels/gluon_moe_decode.py, ``late_cast``): each run adds
+# its products straight into the token's fp32 sums and the grid's last CTA casts them; at <= 128 registers 4 CTAs
+# per SM (no stack on sm_90 or sm_120, compile tests).  64 rows over two row warps, so two warps over K, as the
+# gate_up's tile at H = 2048.  It has no deterministic mode: there the row's Triton down runs.
+DECODE_STREAM_DOWN_TILES = {
+    "dns-m64t8-rw2-lc-c4": MoeStreamTile(64, 8, num_warps=4, row_warps=2, max_regs=128, ctas_per_sm=4,
+                                         late_cast=True),
+}
+# (min H, min T, max T, tile, why): the first row with H >= min H and min T <= T <= max T runs the streaming down
+# where the down is expert-major (the token-major rule at I <= 512 from T = 6 keeps its rows).  Gluon only.
+_H100_STREAM_DOWN_ROWS = (
+    (7168, 1, 8, "dns-m64t8-rw2-lc-c4",
+     "H100 run 74: DeepSeek-V3, the layer with the streaming gate_up 100.8 / 311.5 / 591.0 us at T = 1 / 4 / 8 "
+     "against the row's pointer-load down's 117.5 / 346.4 / 658.1 (1.17 / 1.11 / 1.11x; the TMA one's 110.8 / "
+     "331.0 / 623.8)"),
+    (2048, 4, 8, "dns-m64t8-rw2-lc-c4",
+     "H100 runs 73-75: the layer against the rows' downs 1.07 / 1.02 / 1.11x at T = 4 / 6 / 8 on Qwen3-30B-A3B "
+     "(run 75: 53.1 / 70.0 / 79.4 against 56.9 / 71.2 / 87.9 us; run 73 1.05 / 1.11x at T = 4 / 8), 1.08x at T = 4 "
+     "on Qwen3-Next-80B (51.3 against 55.3; run 73 1.09x), 1.10 / 1.12x at T = 4 / 8 on Qwen3-235B-A22B (run 74: "
+     "147.2 / 241.6 against 161.2 / 271.0); T = 1-2 lose or tie below H = 7168 (Qwen3-30B-A3B T = 2 1.06x slower); "
+     "T = 3, 5, 7 between measured points"),
+)
+_DECODE_STREAM_DOWN_ROWS = {
+    Family.SM90: _H100_STREAM_DOWN_ROWS,
+    # Compile-checked for sm_120 (native cvt, no local memory, 126 registers: 4 CTAs per SM as on sm_90).
+    Family.SM120: tuple(row[:-1] + (row[-1] + "; the sm_90 measurement until an sm_120 run",)
+                        for row in _H100_STREAM_DOWN_ROWS),
+}
+
+
+def _stream_down_row(cap: Capability, num_tokens: int, hidden: int):
+    if not gluon_enabled():
+        return None
+    return next((r for r in _DECODE_STREAM_DOWN_ROWS.get(cap.family, ())
+                 if hidden >= r[0] and r[1] <= num_tokens <= r[2]), None)
+
+
 def _stream_row(cap: Capability, num_tokens: int, hidden: int):
     if not gluon_enabled():
         return None
@@ -393,8 +433,12 @@ def decode_tier_plan(cap: Capability, num_tokens: int, *, hidden: int, intermedi
         gate_up = replace(gate_up, use_tma=gate_up.use_tma and tma[0])
     down = replace(down, use_tma=down.use_tma and tma[1])
     variant = "/stream" if stream is not None else "/wide" if wide else ""
+    stream_down = None if token else _stream_down_row(cap, num_tokens, hidden)
+    if stream_down is not None:
+        variant += "/stream-down"
     return MoePlan(kernel=MoeKernel.W4A16, block_m=0, gate_up=gate_up, down=down, fast_decode=cap.cc is not None,
-                   impl=Impl.DECODE, tier=f"{cap.family}/decode/{i}/{kind}{variant}", tma=tma, decode_down=kind)
+                   impl=Impl.DECODE, tier=f"{cap.family}/decode/{i}/{kind}{variant}", tma=tma, decode_down=kind,
+                   stream_down=None if stream_down is None else DECODE_STREAM_DOWN_TILES[stream_down[3]])
 
 
 def fused_decode_plan(cap: Capability, gate_up: DecodeTile, down: DecodeTile, *, hidden: int, intermediate: int,

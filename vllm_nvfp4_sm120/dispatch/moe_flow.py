@@ -35,7 +35,7 @@ from ..format.reference import ACTIVATIONS
 from ..kernels.common import interpreting
 from ..kernels.moe_align import moe_align, moe_sum
 from ..kernels.moe_common import check_moe_layer
-from ..kernels.moe_decode import down_expert_workspace
+from ..kernels.moe_decode import down_expert_workspace, moe_decode
 from ..kernels.moe_decode_fused import moe_decode_fused
 from ..kernels.moe_w4a4 import moe_quant_input
 from . import policy
@@ -181,6 +181,8 @@ def _checked_plan(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec
     if deterministic and plan.impl == Impl.DECODE and plan.down.split_k > 1:
         # K splits add into the atomic sums; the deterministic per-route rows take the whole K in one program.
         plan = replace(plan, down=replace(plan.down, split_k=1))
+    if deterministic and plan.stream_down is not None:  # its sums are fp32 atomics: the row's Triton down runs
+        plan = replace(plan, stream_down=None)
     return plan, bool(deterministic), batch_invariant
 
 
@@ -243,6 +245,10 @@ def _run_decode(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, 
                                 topk_ids, gate_up_tile=plan.gate_up, down_tile=plan.down, expert_map=expert_map,
                                 activation=activation, out=out)
     gate_up, down = MOE_KERNELS[plan.kernel, plan.impl]
+    if plan.stream_down is not None:  # the streaming Gluon down (never in deterministic mode: _checked_plan)
+        return moe_decode(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids,
+                          gate_up_tile=plan.gate_up, down_tile=plan.stream_down, down="expert",
+                          expert_map=expert_map, activation=activation, out=out)
     by_expert = plan.decode_down == DecodeDown.EXPERT
     # Expert-major: fp32 sums + tile counts that the gate_up kernel's programs zero (atomic mode), or per-route
     # rows (deterministic, summed in slot order); token-major needs none.
