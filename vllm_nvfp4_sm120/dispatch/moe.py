@@ -275,6 +275,12 @@ DECODE_WIDE_GATE_UP_MIN_H = 7168
 DECODE_WIDE_GATE_UP_MAX_T = 8
 DECODE_WIDE_GATE_UP_TILE = "gu-n32k128-w1-st3-shift"
 
+def _until_sm120(rows: tuple) -> tuple:
+    """sm_90 rows ``(..., why)`` as the sm_120 family's until an sm_120 run measures them (every tile they name is
+    compile-checked for sm_120)."""
+    return tuple(row[:-1] + (row[-1] + "; the sm_90 measurement until an sm_120 run",) for row in rows)
+
+
 # The streaming Gluon gate_up (kernels/gluon_moe_decode.py: the linear streaming kernel's decode step, 25.8 SASS
 # instructions per code word on sm_90 against the Triton loop's 31.6, over a stream-K list of the touched experts' row
 # tiles; T <= its block_t).  Side by side with the rows' Triton tiles on an H100 (device runs 63-68, CUDA graphs,
@@ -306,8 +312,7 @@ _H100_STREAM_ROWS = (
 _DECODE_STREAM_ROWS = {
     Family.SM90: _H100_STREAM_ROWS,
     # Compile-checked for sm_120 (native cvt, no local memory, 159 / 161 registers: 3 CTAs per SM as on sm_90).
-    Family.SM120: tuple(row[:-1] + (row[-1] + "; the sm_90 measurement until an sm_120 run",)
-                        for row in _H100_STREAM_ROWS),
+    Family.SM120: _until_sm120(_H100_STREAM_ROWS),
 }
 
 
@@ -336,23 +341,16 @@ _H100_STREAM_DOWN_ROWS = (
 _DECODE_STREAM_DOWN_ROWS = {
     Family.SM90: _H100_STREAM_DOWN_ROWS,
     # Compile-checked for sm_120 (native cvt, no local memory, 126 registers: 4 CTAs per SM as on sm_90).
-    Family.SM120: tuple(row[:-1] + (row[-1] + "; the sm_90 measurement until an sm_120 run",)
-                        for row in _H100_STREAM_DOWN_ROWS),
+    Family.SM120: _until_sm120(_H100_STREAM_DOWN_ROWS),
 }
 
 
-def _stream_down_row(cap: Capability, num_tokens: int, hidden: int):
+def _gluon_row(rows: dict, cap: Capability, num_tokens: int, hidden: int):
+    """The first of ``rows[cap.family]`` ``(min H, min T, max T, tile, why)`` that covers the call; None without
+    Gluon."""
     if not gluon_enabled():
         return None
-    return next((r for r in _DECODE_STREAM_DOWN_ROWS.get(cap.family, ())
-                 if hidden >= r[0] and r[1] <= num_tokens <= r[2]), None)
-
-
-def _stream_row(cap: Capability, num_tokens: int, hidden: int):
-    if not gluon_enabled():
-        return None
-    return next((r for r in _DECODE_STREAM_ROWS.get(cap.family, ())
-                 if hidden >= r[0] and r[1] <= num_tokens <= r[2]), None)
+    return next((r for r in rows.get(cap.family, ()) if hidden >= r[0] and r[1] <= num_tokens <= r[2]), None)
 
 
 # (max T, gate_up tile, expert-major down tile, why); with ``deterministic`` the down tile's per-route rows are
@@ -372,7 +370,7 @@ _H200_ROWS = (
 _DECODE_ROWS = {
     Family.SM90: _H200_ROWS,
     # No sm_120 measurement yet: the sm_90 one (every tile compile-checked for sm_120: no local memory, <= 99 KB).
-    Family.SM120: tuple(row[:-1] + (row[-1] + "; the sm_90 measurement until an sm_120 run",) for row in _H200_ROWS),
+    Family.SM120: _until_sm120(_H200_ROWS),
 }
 DECODE_FAMILIES = tuple(_DECODE_ROWS)
 
@@ -426,14 +424,14 @@ def decode_tier_plan(cap: Capability, num_tokens: int, *, hidden: int, intermedi
         down_name = DECODE_POINTER_DOWN_TILE
     down = DECODE_DOWN_TILES[down_name]
     tma = tma_ok(hidden), tma_ok(intermediate)
-    stream = _stream_row(cap, num_tokens, hidden)
+    stream = _gluon_row(_DECODE_STREAM_ROWS, cap, num_tokens, hidden)
     if stream is not None:
         gate_up, tma = DECODE_STREAM_GATE_UP_TILES[stream[3]], (False, tma[1])
     else:
         gate_up = replace(gate_up, use_tma=gate_up.use_tma and tma[0])
     down = replace(down, use_tma=down.use_tma and tma[1])
     variant = "/stream" if stream is not None else "/wide" if wide else ""
-    stream_down = None if token else _stream_down_row(cap, num_tokens, hidden)
+    stream_down = None if token else _gluon_row(_DECODE_STREAM_DOWN_ROWS, cap, num_tokens, hidden)
     if stream_down is not None:
         variant += "/stream-down"
     return MoePlan(kernel=MoeKernel.W4A16, block_m=0, gate_up=gate_up, down=down, fast_decode=cap.cc is not None,

@@ -596,11 +596,9 @@ if HAS_GLUON:
         elif b_begin < b_end:
             # The same runs, each run's first step loaded before the previous run's last step and its reduction
             # (the MoE kernel's overlapped runs; the run after the CTA's last loads that run's last block again).
-            tile, run_end, kb0, kb_last, last = _run_span(b_begin, b_end, NB, KW)
-            w_base, w_offs, s_base, s_offs = _row_tile(tile, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, N, stride_ww,
-                                                       stride_wsn, BLOCK_M)
-            words, sc, xv = _run_first(w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0, kb_last, w_c, w_s, w_x,
-                                       k_c, k_s, k_x, K, EVEN_K, ROW_WARPS)
+            words, sc, xv = _first_step_at(b_begin, b_end, NB, w_ptr, ws_ptr, row_c, row_s, w_c, w_s, w_x, k_c, k_s,
+                                           k_x, x_base, x_offs, N, K, stride_ww, stride_wsn, EVEN_K, BLOCK_M,
+                                           ROW_WARPS, KW)
             b = b_begin
             while b < b_end:
                 tile, run_end, kb0, kb_last, last = _run_span(b, b_end, NB, KW)
@@ -609,11 +607,9 @@ if HAS_GLUON:
                 acc, words, sc, xv = _run_steps(words, sc, xv, w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0,
                                                 kb_last, last, w_c, w_s, w_x, k_c, k_s, k_x, K, EVEN_K, DECODE,
                                                 WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, MMA, W4, A_OP, B_OP)
-                n_tile, n_end, n_kb0, n_kb_last, n_last = _run_span(gl.minimum(run_end, b_end - 1), b_end, NB, KW)
-                n_w_base, n_w_offs, n_s_base, n_s_offs = _row_tile(n_tile, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, N,
-                                                                   stride_ww, stride_wsn, BLOCK_M)
-                n_words, n_sc, n_xv = _run_first(n_w_base, n_w_offs, n_s_base, n_s_offs, x_base, x_offs, n_kb0,
-                                                 n_kb_last, w_c, w_s, w_x, k_c, k_s, k_x, K, EVEN_K, ROW_WARPS)
+                n_words, n_sc, n_xv = _first_step_at(gl.minimum(run_end, b_end - 1), b_end, NB, w_ptr, ws_ptr, row_c,
+                                                     row_s, w_c, w_s, w_x, k_c, k_s, k_x, x_base, x_offs, N, K,
+                                                     stride_ww, stride_wsn, EVEN_K, BLOCK_M, ROW_WARPS, KW)
                 y = _run_last(words, sc, xv, acc, DECODE, WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, W4, A_OP, B_OP, ACC_B,
                               O2)
                 _end_tile(y, tile, pid, pid_t, ctas, total_blocks, NB, first_tile, slots_per_cta, part_ptr, part_offs,
@@ -621,6 +617,17 @@ if HAS_GLUON:
                           N, HAS_BIAS, DECODE, BLOCK_M, BLOCK_T, O2)
                 words, sc, xv = n_words, n_sc, n_xv
                 b = run_end
+
+    @gluon.jit
+    def _first_step_at(b, b_end, NB, w_ptr, ws_ptr, row_c, row_s, w_c, w_s, w_x, k_c, k_s, k_x, x_base, x_offs, N, K,
+                       stride_ww, stride_wsn, EVEN_K: gl.constexpr, BLOCK_M: gl.constexpr, ROW_WARPS: gl.constexpr,
+                       KW: gl.constexpr):
+        """The loads of the first step of the run that starts at block ``b``."""
+        tile, run_end, kb0, kb_last, last = _run_span(b, b_end, NB, KW)
+        w_base, w_offs, s_base, s_offs = _row_tile(tile, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, N, stride_ww,
+                                                   stride_wsn, BLOCK_M)
+        return _run_first(w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0, kb_last, w_c, w_s, w_x, k_c, k_s, k_x,
+                          K, EVEN_K, ROW_WARPS)
 
     @gluon.jit
     def _row_tile(tile, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, N, stride_ww, stride_wsn, BLOCK_M: gl.constexpr):
