@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from vllm_nvfp4_sm120.dispatch.hw import NO_GPU, Capability
 from vllm_nvfp4_sm120.dispatch import moe_flow
+from vllm_nvfp4_sm120.dispatch.hw import NO_GPU, Capability
 from vllm_nvfp4_sm120.dispatch.moe import (
     DECODE_STREAM_DOWN_TILES,
     W4A4_MIN_TOKENS_PER_EXPERT,
