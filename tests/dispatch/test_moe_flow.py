@@ -466,6 +466,13 @@ def test_dispatch_decode_rows(monkeypatch):
     assert plan(8).gate_up == M.DECODE_GATE_UP_TILES["gu-n32k128-w2-st3-shift"]
     assert all(plan(t, name).stream_down is None for t in (1, 4, 8) for name in H200_SHAPES)
     monkeypatch.delenv("VLLM_NVFP4_SM120_DISABLE_GLUON")
+    # What `env` / `inspect` print for the streaming down: its tile, not the row's Triton one.
+    from vllm_nvfp4_sm120.envinfo import moe_plan
+
+    lines = dict(moe_plan((12, 0), w4a4=False, hidden=2048, intermediate=768, top_k=8, experts=128, tokens=(2, 4)))
+    assert "streaming expert-major down" in lines["T = 4 (0.25 rows/expert)"]
+    assert "/ down streaming 64x8 [" in lines["T = 4 (0.25 rows/expert)"]
+    assert "streaming" not in lines["T = 2 (0.125 rows/expert)"].split("/ down")[1]
     # below the measured H (2048) the Triton rows at every T
     assert decode_tier_plan(SM90, 8, hidden=1024, intermediate=768).gate_up == M.DECODE_GATE_UP_TILES[
         "gu-n32k128-w2-st3-shift"]
