@@ -233,6 +233,20 @@ if HAS_GLUON:
                 wrow_s * stride_wsn + k_s, x_offs)
 
     @gluon.jit
+    def _tile_first_step(e, j, a_row, kb0, kb_last, w_ptr, ws_ptr, x_ptr, row_c, row_s, w_c, w_s, w_x, k_c, k_s, k_x,
+                         stride_xt, stride_we, stride_ww, stride_wse, stride_wsn, N, K, DOWN: gl.constexpr,
+                         EVEN_K: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.constexpr, ROW_WARPS: gl.constexpr,
+                         ROW_POINTERS: gl.constexpr):
+        """The loads of the first step of a run over blocks ``kb0 .. kb_last`` of row tile j of expert e."""
+        w_base, w_offs, s_base, s_offs, x_offs = _tile_offsets(e, j, a_row, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, k_x,
+                                                               stride_xt, stride_we, stride_ww, stride_wse, stride_wsn,
+                                                               N, DOWN, BLOCK_M, HALF)
+        w_base, w_offs, s_base, s_offs, x_base, x_offs = _run_bases(w_base, w_offs, s_base, s_offs, x_ptr, x_offs,
+                                                                    ROW_POINTERS)
+        return _run_first(w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0, kb_last, w_c, w_s, w_x, k_c, k_s, k_x,
+                          K, EVEN_K, ROW_WARPS)
+
+    @gluon.jit
     def _end_run(y, tile, e, route, count, j, pid, ctas, total, NB, first_tile, slots_per_cta, part_ptr, part_offs,
                  cnt_ptr, wdec_ptr, out_ptr, tw_ptr, acc_ptr, tcnt_ptr, ids_b, offs_b, stride_om, N, top_k, tiles_e,
                  DOWN: gl.constexpr, ACTIVATION: gl.constexpr, DECODE: gl.constexpr, LATE_CAST: gl.constexpr,
@@ -367,15 +381,13 @@ if HAS_GLUON:
             # loads that run's last block again (an L1 / L2 hit), which keeps the loop free of a branch there.
             tile, run_end, kb0, kb_last, last, q, j = _expert_run(b_begin, b_end, NB, tiles_e, KW)
             e, count, route, a_row = _expert_routes(q, nth_b, ids_b, before_b, offs_b, n_r, top_k, DOWN, XL)
-            w_base, w_offs, s_base, s_offs, x_offs = _tile_offsets(
-                e, j, a_row, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, k_x, stride_xt, stride_we, stride_ww, stride_wse,
-                stride_wsn, N, DOWN, BLOCK_M, HALF)
-            w_base, w_offs, s_base, s_offs, x_base, x_offs = _run_bases(w_base, w_offs, s_base, s_offs, x_ptr,
-                                                                        x_offs, ROW_POINTERS)
-            words, sc, xv = _run_first(w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0, kb_last, w_c, w_s, w_x,
-                                       k_c, k_s, k_x, K, EVEN_K, ROW_WARPS)
+            words, sc, xv = _tile_first_step(e, j, a_row, kb0, kb_last, w_ptr, ws_ptr, x_ptr, row_c, row_s, w_c, w_s,
+                                             w_x, k_c, k_s, k_x, stride_xt, stride_we, stride_ww, stride_wse,
+                                             stride_wsn, N, K, DOWN, EVEN_K, BLOCK_M, HALF, ROW_WARPS, ROW_POINTERS)
             b = b_begin
             while b < b_end:
+                # (the bases are derived again from (e, j) rather than carried from the previous iteration's
+                # prefetch: a few integer instructions per run against live registers across the whole loop)
                 tile, run_end, kb0, kb_last, last, q, j = _expert_run(b, b_end, NB, tiles_e, KW)
                 w_base, w_offs, s_base, s_offs, x_offs = _tile_offsets(
                     e, j, a_row, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, k_x, stride_xt, stride_we, stride_ww,
@@ -393,13 +405,10 @@ if HAS_GLUON:
                                                                   DOWN, XL)
                 else:
                     n_e, n_count, n_route, n_row = e, count, route, a_row
-                n_w_base, n_w_offs, n_s_base, n_s_offs, n_x_offs = _tile_offsets(
-                    n_e, n_j, n_row, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, k_x, stride_xt, stride_we, stride_ww,
-                    stride_wse, stride_wsn, N, DOWN, BLOCK_M, HALF)
-                n_w_base, n_w_offs, n_s_base, n_s_offs, n_x_base, n_x_offs = _run_bases(
-                    n_w_base, n_w_offs, n_s_base, n_s_offs, x_ptr, n_x_offs, ROW_POINTERS)
-                n_words, n_sc, n_xv = _run_first(n_w_base, n_w_offs, n_s_base, n_s_offs, n_x_base, n_x_offs, n_kb0,
-                                                 n_kb_last, w_c, w_s, w_x, k_c, k_s, k_x, K, EVEN_K, ROW_WARPS)
+                n_words, n_sc, n_xv = _tile_first_step(n_e, n_j, n_row, n_kb0, n_kb_last, w_ptr, ws_ptr, x_ptr, row_c,
+                                                       row_s, w_c, w_s, w_x, k_c, k_s, k_x, stride_xt, stride_we,
+                                                       stride_ww, stride_wse, stride_wsn, N, K, DOWN, EVEN_K, BLOCK_M,
+                                                       HALF, ROW_WARPS, ROW_POINTERS)
                 y = _run_last(words, sc, xv, acc, DECODE, WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, W4, A_OP, B_OP, ACC_B,
                               O2)
                 _end_run(y, tile, e, route, count, j, pid, ctas, total, NB, first_tile, slots_per_cta, part_ptr,
