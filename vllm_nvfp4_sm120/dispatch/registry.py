@@ -304,18 +304,28 @@ def prepare_moe_decode(plan, r: MoeReady):
     here), the same launches as the flow's decode path, checking nothing; T > 0."""
     if plan.decode_down == DecodeDown.FUSED:
         return _decode_fused(plan, r)
-    if plan.stream_down is not None:
-        return _decode_stream_down(plan, r)
     by_expert = plan.decode_down == DecodeDown.EXPERT
-    zeroed = by_expert and not r.deterministic  # atomic mode: the gate_up kernel zeroes the workspace
+    # The streaming Gluon down (expert-major, atomic mode only: the flow drops it in deterministic mode).
+    stream = plan.stream_down is not None
+    # atomic mode: the gate_up kernel zeroes the workspace
+    zeroed = by_expert and (stream or not r.deterministic)
     dims = (r.t, r.h, r.i, r.e, r.top_k, r.global_e, r.device)
-    numel = moe_decode.down_expert_workspace_numel(r.t, r.top_k, r.h, plan.down, r.deterministic) if by_expert else 0
+    if stream:
+        numel = gluon_moe_decode.down_workspace_numel(r.t, r.h, plan.stream_down)
+    elif by_expert:
+        numel = moe_decode.down_expert_workspace_numel(r.t, r.top_k, r.h, plan.down, r.deterministic)
+    else:
+        numel = 0
     gate_up = _prepare_decode_gate_up(plan, r, numel if zeroed else None)
     has_map, device = r.has_map, r.device
     u8 = torch.uint8
     if by_expert:
-        down = moe_decode.prepare_moe_decode_down_expert(*dims, tile=plan.down, has_map=has_map,
-                                                         deterministic=r.deterministic)
+        if stream:
+            down = gluon_moe_decode.prepare_moe_stream_down(*dims, r.dtype, tile=plan.stream_down,
+                                                            ctas=plan.stream_down.ctas(device), has_map=has_map)
+        else:
+            down = moe_decode.prepare_moe_decode_down_expert(*dims, tile=plan.down, has_map=has_map,
+                                                             deterministic=r.deterministic)
 
         def run(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, a13_enc,
                 a2_enc, expert_map, out):
@@ -335,30 +345,6 @@ def prepare_moe_decode(plan, r: MoeReady):
             inter = gate_up(x, w13_codes, w13_scales.view(u8), w13_dec, topk_ids, emap, None, None, w2_codes,
                             w2_scales.view(u8))
             return down(inter, w2_codes, w2_scales.view(u8), w2_dec, topk_ids, emap, topk_weights, out)
-
-    return run
-
-
-def _decode_stream_down(plan, r: MoeReady):
-    """The decode plan's ready layer with the streaming Gluon down (atomic mode only: the flow runs the row's Triton
-    down in deterministic mode): its workspace (the fp32 sums and the CTAs' count) zeroed by the gate_up kernel."""
-    numel = gluon_moe_decode.down_workspace_numel(r.t, r.h, plan.stream_down)
-    gate_up = _prepare_decode_gate_up(plan, r, numel)
-    down = gluon_moe_decode.prepare_moe_stream_down(r.t, r.h, r.i, r.e, r.top_k, r.global_e, r.device, r.dtype,
-                                                    tile=plan.stream_down, ctas=plan.stream_down.ctas(r.device),
-                                                    has_map=r.has_map)
-    has_map, device, t, h, u8 = r.has_map, r.device, r.t, r.h, torch.uint8
-
-    def run(x, w13_codes, w13_scales, w13_dec, w2_codes, w2_scales, w2_dec, topk_weights, topk_ids, a13_enc, a2_enc,
-            expert_map, out):
-        topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
-        emap = expert_map if has_map else topk_ids
-        ws = torch.empty(numel, dtype=torch.float32, device=device)
-        if out is None:
-            out = torch.empty((t, h), dtype=x.dtype, device=device)
-        inter = gate_up(x, w13_codes, w13_scales.view(u8), w13_dec, topk_ids, emap, None, ws, w2_codes,
-                        w2_scales.view(u8))
-        return down(inter, w2_codes, w2_scales.view(u8), w2_dec, topk_ids, emap, topk_weights, ws, out)
 
     return run
 

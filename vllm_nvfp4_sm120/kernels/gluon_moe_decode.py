@@ -553,9 +553,10 @@ def prepare_moe_stream_gate_up(t: int, h: int, i: int, e: int, top_k: int, globa
 
 def prepare_moe_stream_down(t: int, h: int, i: int, e: int, top_k: int, global_e: int, device, dtype, *,
                             tile: MoeStreamTile, ctas: int, has_map: bool, decode: int | None = None):
-    """A ready launch: ``run(inter, w2_codes, w2_sf_u8, w2_dec, topk_ids, emap, topk_weights, workspace, out) -> out
-    [T, H]`` for ``T = t <= tile.block_t``; ``workspace``: :func:`down_workspace_numel` fp32 elements, zero before
-    the call.  It checks nothing (:func:`moe_stream_down` does)."""
+    """A ready launch: ``run(inter, w2_codes, w2_sf_u8, w2_dec, topk_ids, emap, topk_weights, workspace, out=None) ->
+    out [T, H]`` for ``T = t <= tile.block_t`` (the Triton expert-major ready down's call signature);
+    ``workspace``: :func:`down_workspace_numel` fp32 elements, zero before the call.  It checks nothing
+    (:func:`moe_stream_down` does)."""
     if t > tile.block_t:
         raise ValueError(f"down stream: T = {t} tokens exceed the tile's {tile.block_t} routes per expert")
     s = t * top_k
@@ -565,7 +566,9 @@ def prepare_moe_stream_down(t: int, h: int, i: int, e: int, top_k: int, global_e
         zero_chunk=0, DOWN=True, ACTIVATION="silu", HAS_MAP=has_map, ZERO=False, S_BLOCK=route_block(s),
         EVEN_K=i % K_BLOCK == 0)
 
-    def run(inter, w2_codes, w2_sf, w2_dec, topk_ids, emap, topk_weights, workspace, out):
+    def run(inter, w2_codes, w2_sf, w2_dec, topk_ids, emap, topk_weights, workspace, out=None):
+        if out is None:
+            out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
         part = torch.empty(max(partials, 1), dtype=torch.float32, device=inter.device)
         cnt = counters.get()
         launch(inter, w2_codes.view(torch.int32), w2_sf, w2_dec, topk_ids, emap, out, part, cnt, part,
