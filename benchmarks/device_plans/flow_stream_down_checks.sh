@@ -7,7 +7,7 @@
 set -x
 source .carry/env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}  # kept by a warm machine between calls
 bench() {  # models, json name, seconds
   timeout $3 python3 -m vllm_nvfp4_sm120.bench moe_decode --tokens ${TOK:-1,2,4,8,16} --models $1 \
     --json $OUT/$2.json 2>&1 | grep -v '^#  ' | tail -30
