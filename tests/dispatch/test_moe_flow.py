@@ -200,8 +200,9 @@ H200_SHAPES = {  # name: (H, I, E, top_k)
     "deepseek-v3": (7168, 2048, 256, 8),
     "qwen3-next-80b": (2048, 512, 512, 10),
 }
-# H not a power of two and I not a multiple of 128 where the table runs the streaming gate_up and down (T = 4-8).
-ODD_STREAM_SHAPES = {"odd-2080x704": (2080, 704, 60, 4)}
+# H not a power of two (a multiple of 256, as the decode table asks of H) and I not a multiple of 128, where the table
+# runs the streaming gate_up and down (T = 4-8).
+ODD_STREAM_SHAPES = {"odd-2304x704": (2304, 704, 60, 4)}
 
 
 def _decode_plans():
@@ -601,7 +602,7 @@ def test_gpu_op_runs_the_decode_plan(name, t):
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("name,t", [("qwen3-30b-a3b", 3), ("qwen3-next-80b", 16), ("deepseek-v3", 5),
-                                    ("odd-2080x704", 5)])
+                                    ("odd-2304x704", 5)])
 def test_gpu_op_decode_expert_map_fp16(name, t, activation):
     p = _gpu_layer(name, t, with_map=True, dtype=torch.float16)
     _assert_gpu_close(_op(p, activation), _gpu_ref(p, activation))
@@ -613,7 +614,7 @@ def test_gpu_odd_stream_shape_takes_both_streaming_kernels():
     from vllm_nvfp4_sm120.dispatch.moe_flow import plan_for
     from vllm_nvfp4_sm120.kernels.gluon_compat import gluon_enabled
 
-    x, w13, _, w2, _, _, ti, emap = _gpu_layer("odd-2080x704", 5, with_map=True)
+    x, w13, _, w2, _, _, ti, emap = _gpu_layer("odd-2304x704", 5, with_map=True)
     plan = plan_for(x, w13.codes, w2.codes, ti, w4a4=False, expert_map=emap)
     assert plan.impl == "decode" and plan.decode_down == "expert"
     streams = gluon_enabled()
@@ -623,7 +624,7 @@ def test_gpu_odd_stream_shape_takes_both_streaming_kernels():
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
 @pytest.mark.parametrize("name,t", [("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 16), ("qwen3-next-80b", 8),
-                                    ("qwen3-30b-a3b", 4), ("odd-2080x704", 6)])
+                                    ("qwen3-30b-a3b", 4), ("odd-2304x704", 6)])
 def test_gpu_op_decode_graph_replay_equals_eager(name, t, deterministic):
     from vllm_nvfp4_sm120.dispatch.moe_flow import plan_for
 

@@ -22,6 +22,7 @@ from test_moe_decode import SWEEP, _gpu_problem, _problem, _ref
 from vllm_nvfp4_sm120.kernels import moe_decode as md
 from vllm_nvfp4_sm120.kernels import moe_decode_fused as mf
 from vllm_nvfp4_sm120.kernels.aot import compile_kernel
+from vllm_nvfp4_sm120.kernels.gluon_moe_decode import MoeStreamTile
 from vllm_nvfp4_sm120.kernels.moe_decode import DecodeTile, moe_decode
 from vllm_nvfp4_sm120.kernels.moe_decode_fused import control_numel, fused_workspace, moe_decode_fused
 
@@ -141,6 +142,9 @@ def _bad_input_cases():
         ("gate_up_tile", lambda: moe_decode_fused(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti,
                                                   gate_up_tile=replace(GATE, use_dot=False, block_t=1),
                                                   down_tile=DOWN)),
+        # a streaming Gluon tile (another kernel's tile type) is refused by name, not by an AttributeError
+        ("gate_up_tile", lambda: moe_decode_fused(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti,
+                                                  gate_up_tile=MoeStreamTile(64, 8, row_warps=2), down_tile=DOWN)),
         ("activation", lambda: run(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti,
                                    activation="relu")),
         ("out", lambda: run(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, out=x[:1])),

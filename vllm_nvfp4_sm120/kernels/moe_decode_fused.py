@@ -69,6 +69,8 @@ def control_numel(t: int, top_k: int, e: int, h: int, down_tile: DecodeTile) -> 
 def check_fused_tiles(gate_up_tile: DecodeTile, down_tile: DecodeTile) -> None:
     """ValueError unless both tiles can share one grid (see the module docstring)."""
     for name, tile in (("gate_up_tile", gate_up_tile), ("down_tile", down_tile)):
+        if not isinstance(tile, DecodeTile):
+            raise ValueError(f"{name}: the fused decode layer runs the Triton decode tiles (DecodeTile), got {tile}")
         if not tile.use_dot or tile.use_tma or tile.split_k != 1 or tile.pdl or tile.prefetch_down:
             raise ValueError(f"{name}: the fused decode layer takes tensor-core tiles by pointer loads without K "
                              f"splits, dependent launch or a down prefetch (its down items prefetch their own "
