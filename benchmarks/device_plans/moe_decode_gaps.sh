@@ -2,7 +2,7 @@
 # The decode table's rows between measured points, as layers (every pair checked against moe_ref first): the
 # narrow layers at T = 2, 3, 5, 7 with the Triton row's gate_up and the streaming gate_up, each with the row's
 # Triton downs and the streaming late-cast down (4 CTAs per SM); Qwen3-235B-A22B at T = 1-3 with the same two
-# downs beside the row's gate_ups.  About 5 minutes.
+# downs beside the row's gate_ups.  About 5 minutes; PARTS picks the sweeps (n23, n57, w; all by default).
 set -x
 source .carry/env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -20,6 +20,6 @@ for r in json.load(open(sys.argv[1]))["rows"]:
 PY
 }
 pairs() { for g in ${1//,/ }; do for d in ${2//,/ }; do echo -n "$g+$d,"; done; done | sed 's/,$//'; }
-sweep narrow23 qwen3-30b-a3b,qwen3-next-80b 2,3 $(pairs $G1,$G3,$GS $DT2,$DT,$DP,$DS) 200
-sweep narrow57 qwen3-30b-a3b,qwen3-next-80b 5,7 $(pairs $G3,$GS $DT,$DP,$DS,tok-n32k128-w1-st3-shift) 200
-sweep wide123 qwen3-235b-a22b 1,2,3 $(pairs gu-n16k256-kw4-st3-shift,$G1,$GW $DP,$DS) 150
+[[ ${PARTS:-n23 n57 w} == *n23* ]] && sweep narrow23 qwen3-30b-a3b,qwen3-next-80b 2,3 $(pairs $G1,$G3,$GS $DT2,$DT,$DP,$DS) 200
+[[ ${PARTS:-n23 n57 w} == *n57* ]] && sweep narrow57 qwen3-30b-a3b,qwen3-next-80b 5,7 $(pairs $G3,$GS $DT,$DP,$DS,tok-n32k128-w1-st3-shift) 200
+[[ ${PARTS:-n23 n57 w} == *w* ]] && sweep wide123 qwen3-235b-a22b 1,2,3 $(pairs gu-n16k256-kw4-st3-shift,$G1,$GW $DP,$DS) 150
