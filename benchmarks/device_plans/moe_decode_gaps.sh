@@ -20,6 +20,8 @@ for r in json.load(open(sys.argv[1]))["rows"]:
 PY
 }
 pairs() { for g in ${1//,/ }; do for d in ${2//,/ }; do echo -n "$g+$d,"; done; done | sed 's/,$//'; }
-[[ ${PARTS:-n23 n57 w} == *n23* ]] && sweep narrow23 qwen3-30b-a3b,qwen3-next-80b 2,3 $(pairs $G1,$G3,$GS $DT2,$DT,$DP,$DS) 200
-[[ ${PARTS:-n23 n57 w} == *n57* ]] && sweep narrow57 qwen3-30b-a3b,qwen3-next-80b 5,7 $(pairs $G3,$GS $DT,$DP,$DS,tok-n32k128-w1-st3-shift) 200
-[[ ${PARTS:-n23 n57 w} == *w* ]] && sweep wide123 qwen3-235b-a22b 1,2,3 $(pairs gu-n16k256-kw4-st3-shift,$G1,$GW $DP,$DS) 150
+on() { [[ ${PARTS:-n23 n57 w} == *$1* ]]; }
+on n23 && sweep narrow23 qwen3-30b-a3b,qwen3-next-80b 2,3 $(pairs $G1,$G3,$GS $DT2,$DT,$DP,$DS) 200
+on n57 && sweep narrow57 qwen3-30b-a3b,qwen3-next-80b 5,7 \
+  $(pairs $G3,$GS $DT,$DP,$DS,tok-n32k128-w1-st3-shift) 200
+on w && sweep wide123 qwen3-235b-a22b 1,2,3 $(pairs gu-n16k256-kw4-st3-shift,$G1,$GW $DP,$DS) 150
