@@ -201,7 +201,7 @@ H200_SHAPES = {  # name: (H, I, E, top_k)
     "qwen3-next-80b": (2048, 512, 512, 10),
 }
 # H not a power of two (a multiple of 256, as the decode table asks of H) and I not a multiple of 128, where the table
-# runs the streaming gate_up and down (T = 4-8).
+# runs the streaming gate_up and down (T = 3-8).
 ODD_STREAM_SHAPES = {"odd-2304x704": (2304, 704, 60, 4)}
 
 
@@ -421,7 +421,7 @@ def test_dispatch_decode_rows(monkeypatch):
 
     for cap in (SM90, SM120):
         for name in H200_SHAPES:
-            for t in (1, 2, 4, 8, 16, 32):
+            for t in (1, 2, 3, 4, 8, 16, 32):
                 h, i, e, k = H200_SHAPES[name]
                 if t > M.DECODE_WIDE_MAX_TOKENS and t * k / e >= M.DECODE_LATE_MAX_ROUTES_PER_EXPERT:
                     assert plan(t, name, cap).impl != "decode", (cap, name, t)
@@ -434,16 +434,16 @@ def test_dispatch_decode_rows(monkeypatch):
                     mid = 5 <= t <= 16 and i <= 768
                     assert p.down.use_tma == (p.decode_down == "expert" and (i <= M.DECODE_TMA_DOWN_MAX_I or mid))
                     assert p.down.shift_decode == (t > 2 or i > M.DECODE_TMA_DOWN_MAX_I)
-                    # The streaming Gluon gate_up where it won on the H100 (runs 63-68): H = 7168 at T = 1-8,
-                    # H = 4096 at T = 2-8 (32 x 8), H = 2048 at T = 4-8 (64 x 8 over two row warps).
-                    stream = t <= 8 and (h >= 7168 or (h >= 4096 and t >= 2) or (h >= 2048 and t >= 4))
+                    # The streaming Gluon gate_up where it won on the H100 (runs 63-68, 83): H = 7168 at T = 1-8,
+                    # H = 4096 at T = 2-8 (32 x 8), H = 2048 at T = 3-8 (64 x 8 over two row warps).
+                    stream = t <= 8 and (h >= 7168 or (h >= 4096 and t >= 2) or (h >= 2048 and t >= 3))
                     name_ = "gus-m32t8" if h >= 4096 else "gus-m64t8-rw2"
                     assert (p.gate_up == M.DECODE_STREAM_GATE_UP_TILES[name_]) == stream, (cap, name, t)
                     assert ("stream" in p.tier.split("/")) == stream
-                    # The streaming late-cast down where it won in the layer (H100 runs 73-75): an expert-major
-                    # down at H = 7168 at T = 1-8, from H = 2048 at T = 4-8; the row's Triton down stays the plan's
-                    # down (what deterministic mode runs).
-                    sdown = p.decode_down == "expert" and t <= 8 and (h >= 7168 or t >= 4)
+                    # The streaming late-cast down where it won in the layer (H100 runs 73-75, 83-84): an
+                    # expert-major down at H = 7168 at T = 1-8, H = 4096 at T = 2-8, H = 2048 at T = 3-8; the row's
+                    # Triton down stays the plan's down (what deterministic mode runs).
+                    sdown = p.decode_down == "expert" and t <= 8 and (h >= 7168 or (h >= 4096 and t >= 2) or t >= 3)
                     assert (p.stream_down == M.DECODE_STREAM_DOWN_TILES["dns-m64t8-rw2-lc-c4"]) == sdown, (name, t)
                     assert (p.stream_down is None) == (not sdown) and p.tier.endswith("/stream-down") == sdown
                     if stream:

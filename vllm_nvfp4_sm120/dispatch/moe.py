@@ -285,7 +285,7 @@ def _until_sm120(rows: tuple) -> tuple:
 # instructions per code word on sm_90 against the Triton loop's 31.6, over a stream-K list of the touched experts' row
 # tiles; T <= its block_t).  Side by side with the rows' Triton tiles on an H100 (device runs 63-68, CUDA graphs,
 # weights beyond L2; docs/benchmarks.md "The streaming gate_up"), it wins where the gate_up streams long K rows, and
-# at H = 2048 from T = 4:
+# at H = 2048 from T = 3:
 DECODE_STREAM_GATE_UP_TILES = {
     "gus-m32t8": MoeStreamTile(32, 8, ctas_per_sm=3),
     # 64 rows over two row warps, so two warps over K: each warp streams twice the steps of a row tile's run, which
@@ -303,11 +303,14 @@ _H100_STREAM_ROWS = (
      "H100 run 63: Qwen3-235B-A22B gate_up 56.3 / 98.2 / 166.9 us at T = 2 / 4 / 8 against 62.0 / 114.7 / 196.7 "
      "(1.10-1.18x); run 65: the layer 1.14-1.18x at T = 2, 4, 6, 8; T = 1 a tie (55.4 against 55.1 us), so the "
      "Triton row keeps it"),
-    (2048, 4, 8, "gus-m64t8-rw2",
+    (2048, 3, 8, "gus-m64t8-rw2",
      "H100 runs 67 and 68: at H = 2048 the layer with this tile against the Triton rows' pair 1.17 / 1.07 / 1.10x at "
      "T = 4 / 6 / 8 on Qwen3-30B-A3B and 1.18 / 1.05x at T = 4 / 6 on Qwen3-Next-80B (run 68; run 65 had the 32 x 8 "
      "tile's pair 1.10-1.12x at T = 4), and the gate_up alone 1.02-1.08x the 32 x 8 tile at T = 4-8 (run 68; "
-     "1.02-1.07x at T = 8, run 67); T = 1-2 lose (1.08-1.17x, run 65); H < 2048 unmeasured"),
+     "1.02-1.07x at T = 8, run 67); H100 run 83 at T = 3, with the streaming down: 44.3 us against the Triton row's "
+     "pair's 59.9 on Qwen3-30B-A3B (1.35x), 43.8 against 42.3 on Qwen3-Next-80B (0.97x); run 84 at T = 5 / 7 "
+     "faster than the Triton row's tile with every down on both layers (1.03-1.22x); T = 1-2 lose (1.08-1.17x, run "
+     "65; run 83 at T = 2 1.00-1.06x); H < 2048 unmeasured"),
 )
 _DECODE_STREAM_ROWS = {
     Family.SM90: _H100_STREAM_ROWS,
@@ -331,12 +334,18 @@ _H100_STREAM_DOWN_ROWS = (
      "H100 run 74: DeepSeek-V3, the layer with the streaming gate_up 100.8 / 311.5 / 591.0 us at T = 1 / 4 / 8 "
      "against the row's pointer-load down's 117.5 / 346.4 / 658.1 (1.17 / 1.11 / 1.11x; the TMA one's 110.8 / "
      "331.0 / 623.8)"),
-    (2048, 4, 8, "dns-m64t8-rw2-lc-c4",
+    (4096, 2, 8, "dns-m64t8-rw2-lc-c4",
+     "H100 runs 74 and 84: Qwen3-235B-A22B, the layer with the streaming gate_up against the row's pointer-load "
+     "down 1.05 / 1.07x at T = 2 / 3 (run 84: 88.3 / 121.8 against 93.1 / 130.8 us), 1.10 / 1.12x at T = 4 / 8 "
+     "(run 74: 147.2 / 241.6 against 161.2 / 271.0); T = 1 a tie (run 84: 55.1 against 54.9), so the row's down "
+     "keeps it"),
+    (2048, 3, 8, "dns-m64t8-rw2-lc-c4",
      "H100 runs 73-75: the layer against the rows' downs 1.07 / 1.02 / 1.11x at T = 4 / 6 / 8 on Qwen3-30B-A3B "
      "(run 75: 53.1 / 70.0 / 79.4 against 56.9 / 71.2 / 87.9 us; run 73 1.05 / 1.11x at T = 4 / 8), 1.08x at T = 4 "
-     "on Qwen3-Next-80B (51.3 against 55.3; run 73 1.09x), 1.10 / 1.12x at T = 4 / 8 on Qwen3-235B-A22B (run 74: "
-     "147.2 / 241.6 against 161.2 / 271.0); T = 1-2 lose or tie below H = 7168 (Qwen3-30B-A3B T = 2 1.06x slower); "
-     "T = 3, 5, 7 between measured points"),
+     "on Qwen3-Next-80B (51.3 against 55.3; run 73 1.09x); runs 83-84 beside the streaming gate_up: 1.10 / 1.06 / "
+     "1.06x at T = 3 / 5 / 7 on Qwen3-30B-A3B against the row's down (44.3 / 61.2 / 73.5 against 48.9 / 65.1 / 78.1 "
+     "us; the TMA down 1.02x faster at T = 3), 1.02 / 1.08x at T = 3 / 5 on Qwen3-Next-80B (43.8 / 59.2 against "
+     "44.5 / 63.8); T = 2 splits (Qwen3-30B-A3B 1.05x slower, Qwen3-Next-80B 1.07x faster, run 83) and T = 1 loses"),
 )
 _DECODE_STREAM_DOWN_ROWS = {
     Family.SM90: _H100_STREAM_DOWN_ROWS,
