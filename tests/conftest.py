@@ -41,3 +41,43 @@ def _triton_cache(tmp_path, monkeypatch):
 def gen():
     """A seeded CPU generator: fresh random data per test, reproducible per run."""
     return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture
+def fake_gemlite_kernel(monkeypatch):
+    """A stand-in for gemlite as its source defines the interface: ``gemlite.helper.A16W4_NVFP`` builds a layer
+    from our codes, scales and encode global, and ``gemm_splitK_MX_kernel.best_config`` names the split-K of its last
+    call.  The layer returns ``state["output"](x, codes, scales, dec)``: gemlite's own split-K arithmetic
+    (``peers.gemlite_split_k_ref``) unless a test sets another.  Returns that state."""
+    import sys
+    import types
+
+    from vllm_nvfp4_sm120.peers import gemlite_split_k_ref
+
+    state = {"split_k": 2, "block_k": 64}
+    state["output"] = lambda x, codes, scales, dec: gemlite_split_k_ref(
+        x, codes, scales, dec, split_k=state["split_k"], block_k=state["block_k"])
+
+    class A16W4_NVFP:
+        def __init__(self, device="cuda:0", dtype=None):
+            pass
+
+        def from_packed_weights(self, weight_packed, bias=None, scales=None, meta_scale=None):
+            dec = float((1.0 / meta_scale).to(torch.float32))
+            return lambda x: state["output"](x, weight_packed, scales, dec)
+
+    class _Kernel:
+        @property
+        def best_config(self):
+            return types.SimpleNamespace(kwargs={"SPLIT_K": state["split_k"], "BLOCK_SIZE_K": state["block_k"]})
+
+    modules = {name: types.ModuleType(name) for name in
+               ("gemlite", "gemlite.helper", "gemlite.triton_kernels", "gemlite.triton_kernels.gemm_splitK_kernels")}
+    modules["gemlite.helper"].A16W4_NVFP = A16W4_NVFP
+    modules["gemlite.triton_kernels.gemm_splitK_kernels"].gemm_splitK_MX_kernel = _Kernel()
+    modules["gemlite"].helper = modules["gemlite.helper"]
+    modules["gemlite"].triton_kernels = modules["gemlite.triton_kernels"]
+    modules["gemlite.triton_kernels"].gemm_splitK_kernels = modules["gemlite.triton_kernels.gemm_splitK_kernels"]
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    return state

@@ -263,3 +263,50 @@ def test_gpu_gemlite_matches_our_reference(gen):
                                      block_k=cfg["BLOCK_SIZE_K"])
     # (an output near zero may still move by a bf16 step of the partials: their fp32 order is not the model's)
     torch.testing.assert_close(got, want, rtol=1.6e-2, atol=float(want.abs().max()) * (cfg["SPLIT_K"] + 1) * 2**-8)
+
+
+# ---- the benchmark's use of gemlite: import, check against our reference ---------------------------------------
+def test_gemlite_factory_without_gemlite_gives_a_one_line_reason(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gemlite", None)
+    monkeypatch.setitem(sys.modules, "gemlite.helper", None)
+    build, reason = peers.gemlite_factory()
+    assert build is None and reason.startswith("gemlite not importable") and "\n" not in reason
+
+
+def test_gemlite_factory_takes_a_known_autotune_only(fake_gemlite_kernel):
+    assert peers.gemlite_factory("fast") == (peers.gemlite_nvfp4_linear, None)
+    with pytest.raises(ValueError, match="autotune: expected one of"):
+        peers.gemlite_factory("fastest")
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_check_gemlite_takes_its_split_k_output(gen, fake_gemlite_kernel, split_k, dtype):
+    fake_gemlite_kernel["split_k"] = split_k
+    p = make_linear(96, 1024, gen=gen)
+    gs = p.part_globals[0]
+    dec = gs.dec.expand(96).contiguous()
+    layer = peers.gemlite_nvfp4_linear(p.codes, p.scales, dec, dtype=dtype)
+    x = torch.randn(3, 1024, generator=gen).to(dtype)
+    assert peers.check_gemlite(layer, x, p.codes, p.scales, dec) == (f"gemlite (split {split_k})", None)
+
+
+def test_check_gemlite_refuses_a_wrong_weight_or_shape(gen, fake_gemlite_kernel):
+    p = make_linear(96, 1024, gen=gen)
+    dec = p.part_globals[0].dec.expand(96).contiguous()
+    layer = peers.gemlite_nvfp4_linear(p.codes, p.scales, dec)
+    x = torch.randn(3, 1024, generator=gen).to(torch.bfloat16)
+    # the layout bug the check is for: the two elements of every byte swapped (errors of the outputs' own size; an
+    # error in a single weight is below the allowance, which only separates a wrong mapping from split-K rounding)
+    wrong = (p.codes >> 4) | (p.codes << 4)
+    fake_gemlite_kernel["output"] = lambda x, codes, scales, d: peers.gemlite_split_k_ref(
+        x, wrong, scales, d, split_k=2, block_k=64)
+    label, why = peers.check_gemlite(layer, x, p.codes, p.scales, dec)
+    assert label == "gemlite (split 2)" and "beyond its split-K allowance" in why and "\n" not in why
+    fake_gemlite_kernel["output"] = lambda x, codes, scales, d: torch.zeros(3, 95, dtype=x.dtype)
+    assert "expected [3, 96]" in peers.check_gemlite(layer, x, p.codes, p.scales, dec)[1]
+
+
+def test_gemlite_allowance_is_split_k_plus_one_bf16_steps_of_the_largest_output():
+    want = torch.tensor([[0.5, -3.0], [1.0, 2.0]], dtype=torch.bfloat16)
+    assert peers.gemlite_allowance(want, 2) == 3 * 3.0 * 2.0**-8

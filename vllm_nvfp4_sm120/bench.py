@@ -26,6 +26,7 @@ import torch
 import triton
 
 from .format import GlobalScale, NvFp4, random_nvfp4, unit_values
+from .peers import GEMLITE_AUTOTUNE, PEERS
 
 MODELS = {  # (name, N, K) of the linears of one decoder layer, unsharded
     "qwen3-32b": [("qkv", 10240, 5120), ("o", 5120, 8192), ("gate_up", 51200, 5120), ("down", 5120, 25600)],
@@ -115,7 +116,14 @@ def _copies(bytes_per_copy: int, min_bytes: int) -> int:
     return max(1, -(-min_bytes // bytes_per_copy))
 
 
-def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: list[str]) -> list[Row]:
+def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: list[str], *,
+                 peers: list[str] = (), gemlite_autotune: str = "default", device: str = "cuda",
+                 cap=None) -> list[Row]:
+    """Our kernels (``kernels``: the candidate groups) and the ``peers`` (``peers.PEERS``) at each shape and T.
+
+    A peer runs only where it imports, takes the layer and matches our reference within its allowance; otherwise
+    one line says why and its row is absent (it is never a dependency).  ``device`` / ``cap``: for the CPU tests
+    of the row-building (with a faked timer); the benchmark itself runs on the GPU present."""
     from .dispatch.hw import capability_of
     from .dispatch import configs
     from .dispatch.gemv_stream_plan import STREAM_MAX_T
@@ -124,22 +132,30 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
     from .dispatch.registry import LINEAR_KERNELS, Ready, prepare_linear
     from .tune import linear_choice
 
-    cap = capability_of(torch.device("cuda"))
+    cap = cap or capability_of(torch.device(device))
     sm_count = cap.sm_count
+    gemlite = None
+    if "gemlite" in peers:
+        from .peers import check_gemlite, gemlite_factory
+
+        gemlite, reason = gemlite_factory(gemlite_autotune)
+        if reason:
+            print(f"# gemlite: not timed: {reason}", flush=True)
     gen = torch.Generator().manual_seed(0)
     rows: list[Row] = []
     for model in models:
         for layer, n, k in MODELS[model]:
+            gem_layers: list | str | None = None  # gemlite's layer on each copy, or why it has none
             wbytes = n * k // 2 + n * k // 16
             copies = _copies(wbytes, min_bytes)
-            base = random_nvfp4((n, k), gen=gen, device="cuda")
+            base = random_nvfp4((n, k), gen=gen, device=device)
             ws = [base] + [NvFp4(base.codes.clone(), base.scales.clone()) for _ in range(copies - 1)]
-            dec_rows = torch.full((n,), 0.01, device="cuda")
-            in_enc = torch.tensor(100.0, device="cuda")
-            alpha = torch.tensor(0.01 * 0.01, device="cuda")
+            dec_rows = torch.full((n,), 0.01, device=device)
+            in_enc = torch.tensor(100.0, device=device)
+            alpha = torch.tensor(0.01 * 0.01, device=device)
             w_bf16 = None
             for t in tokens:
-                x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
+                x = torch.randn(t, k, device=device).to(torch.bfloat16)
                 flops = 2 * t * n * k
                 route_kernel = select_linear(cap, "w4a16", t, n, k).kernel
                 candidates: dict[str, Callable[[], object]] = {}
@@ -190,6 +206,18 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
                         wb = unit_values(ws[0].codes, ws[0].scales).to(torch.bfloat16)
                         w_bf16 = [wb] + [wb.clone() for _ in range(_copies(2 * n * k, min_bytes) - 1)]
                     candidates["cublas-bf16 (dequantized weight)"] = lambda: [x @ w.t() for w in w_bf16]
+                if gemlite is not None and not isinstance(gem_layers, str):
+                    if gem_layers is None:
+                        built = [gemlite(w.codes, w.scales, dec_rows, dtype=x.dtype) for w in ws]
+                        gem_layers = built[0] if isinstance(built[0], str) else built
+                        if isinstance(gem_layers, str):
+                            print(f"# gemlite {model}/{layer}: not timed: {gem_layers}", flush=True)
+                    if not isinstance(gem_layers, str):
+                        name, problem = check_gemlite(gem_layers[0], x, base.codes, base.scales, dec_rows)
+                        if problem:
+                            print(f"# {name} {model}/{layer} T={t}: not timed: {problem}", flush=True)
+                        else:
+                            candidates[name] = lambda gem_layers=gem_layers: [g(x) for g in gem_layers]
                 if "naive" in kernels:
                     candidates["torch dequant + matmul"] = lambda: x @ unit_values(ws[0].codes, ws[0].scales).to(
                         torch.bfloat16).t()
@@ -198,12 +226,25 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
                     sec = (time_eager(fn) if name.startswith("torch") else time_graph(fn)) / calls
                     read = (2 * n * k if name.startswith("cublas") else wbytes) / sec / 1e12
                     routed = kernel_of.get(name) and route_kernel.startswith(kernel_of[name])
-                    rows.append(Row(model, layer, n, k, t, name, sec * 1e6, flops / sec / 1e12, read,
-                                    "<- w4a16 route" if routed else ""))
+                    note = "<- w4a16 route" if routed else ("peer" if name.startswith("gemlite") else "")
+                    rows.append(Row(model, layer, n, k, t, name, sec * 1e6, flops / sec / 1e12, read, note))
                     print(_fmt(rows[-1]), flush=True)
-            del ws, w_bf16
+            del ws, w_bf16, gem_layers
             torch.cuda.empty_cache()
     return rows
+
+
+def peer_ratios(rows: list[Row]) -> list[dict]:
+    """Per shape and T where a peer was timed: our fastest candidate against it (``x``: peer time / ours)."""
+    out = []
+    for key in dict.fromkeys((r.model, r.layer, r.t) for r in rows):
+        same = [r for r in rows if (r.model, r.layer, r.t) == key]
+        ours = min((r for r in same if r.kernel.startswith("ours-")), key=lambda r: r.us, default=None)
+        for peer in (r for r in same if r.note == "peer"):
+            if ours is not None:
+                out.append({"model": key[0], "layer": key[1], "t": key[2], "ours": ours.kernel, "ours_us": ours.us,
+                            "peer": peer.kernel, "peer_us": peer.us, "x": peer.us / ours.us})
+    return out
 
 
 def act_quant_bytes(t: int, k: int) -> int:
@@ -934,8 +975,14 @@ def run_kernel_bench(args: argparse.Namespace) -> int:
     print(f"# ceilings: DRAM read {ceil['dram_read_tbs']:.2f} TB/s, cuBLAS bf16 8192^3 "
           f"{ceil['cublas_bf16_tflops_8192']:.0f} TFLOP/s", flush=True)
     rows: list[Row] = []
+    ratios = None
     if args.what == "linear":
-        rows = bench_linear(models, tokens, min_bytes, args.kernels.split(","))
+        rows = bench_linear(models, tokens, min_bytes, args.kernels.split(","), peers=args.peers,
+                            gemlite_autotune=args.gemlite_autotune)
+        ratios = peer_ratios(rows)
+        for r in ratios:
+            print(f"# {r['model']}/{r['layer']} T={r['t']}: {r['peer']} {r['peer_us']:.1f} us, ours {r['ours_us']:.1f} "
+                  f"us ({r['ours']}): ours {r['x']:.2f}x faster", flush=True)
     elif args.what == "moe":
         rows = bench_moe(models, tokens)
     elif args.what == "moe_decode":
@@ -953,8 +1000,16 @@ def run_kernel_bench(args: argparse.Namespace) -> int:
     elif args.what == "sweep_act_quant":
         rows = sweep_act_quant([5120, 8192, 25600, 28672], tokens, ceil["dram_read_tbs"])
     if args.json:
-        emit_json({"ceilings": ceil, "rows": [asdict(r) for r in rows]}, args.json)
+        emit_json({"ceilings": ceil, "rows": [asdict(r) for r in rows]} | (
+            {"peer_ratios": ratios} if ratios is not None else {}), args.json)
     return 0
+
+
+def _peer_list(text: str) -> list[str]:
+    names = [p for p in text.split(",") if p]
+    if bad := [p for p in names if p not in PEERS]:
+        raise argparse.ArgumentTypeError(f"unknown peer {', '.join(bad)}; known: {', '.join(PEERS)}")
+    return names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -969,6 +1024,11 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--kernels", default="w4a16,gluon,stream,w4a4,cublas-bf16,naive", help="candidates (linear)")
         b.add_argument("--min-bytes", type=float, default=2e9, help="weight bytes per timed run (defeats the L2)")
         b.add_argument("--json", metavar="PATH", help="write rows as JSON ('-': stdout)")
+        if what == "linear":
+            b.add_argument("--peers", type=_peer_list, default=[],
+                           help=f"peer libraries timed beside ours where importable, comma list of: {', '.join(PEERS)}")
+            b.add_argument("--gemlite-autotune", choices=GEMLITE_AUTOTUNE, default="default",
+                           help="gemlite's autotuner setting (fast / max: minutes of compiles per shape)")
         b.set_defaults(func=run_kernel_bench)
     from . import bench_host
 

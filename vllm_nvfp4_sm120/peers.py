@@ -34,13 +34,19 @@ output); with ``SPLIT_K = 1`` it is :func:`~.format.linear_w4a16_ref` up to fp32
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from .format.checks import ACT_DTYPES, check_tensor
-from .format.reference import unit_values
+from .format.reference import linear_w4a16_ref, unit_values
 from .format.scales import GlobalScale, per_row_decode
+
+PEERS = ("gemlite",)  # what ``bench linear --peers`` accepts
+GEMLITE_AUTOTUNE = ("default", "fast", "max")
 
 
 def _import_gemlite():
@@ -50,6 +56,71 @@ def _import_gemlite():
     except Exception as e:  # ImportError, or gemlite's import-time CUDA queries failing without a GPU
         return None, f"gemlite not importable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     return A16W4_NVFP, None
+
+
+def gemlite_factory(autotune: str = "default") -> tuple[Callable | None, str | None]:
+    """``(gemlite_nvfp4_linear, None)``, or ``(None, reason)`` when gemlite cannot be imported.
+
+    gemlite reads its autotune setting when its kernel modules load, so the setting is made here, before the first
+    import ("default": its 2-config list, what ``set_autotune(False)`` selects; "fast": its ~23-config search,
+    minutes of compiles per shape; "max").  Without effect once gemlite is imported (or stubbed in ``sys.modules``)."""
+    if autotune not in GEMLITE_AUTOTUNE:
+        raise ValueError(f"autotune: expected one of {GEMLITE_AUTOTUNE}, got {autotune!r}")
+    if "gemlite" not in sys.modules:
+        try:
+            spec = importlib.util.find_spec("gemlite")
+            if spec is None:
+                return None, "gemlite not importable (not installed; without a package index: source .carry/peers.sh)"
+            cfg_path = Path(spec.origin).parent / "triton_kernels" / "config.py"
+            cfg_spec = importlib.util.spec_from_file_location("gemlite.triton_kernels.config", cfg_path)
+            cfg = importlib.util.module_from_spec(cfg_spec)
+            cfg_spec.loader.exec_module(cfg)
+            cfg.set_autotune(autotune)
+            sys.modules["gemlite.triton_kernels.config"] = cfg
+        except Exception as e:  # a broken install, or its import-time CUDA queries failing without a GPU
+            return None, f"gemlite not importable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    a16w4_nvfp, reason = _import_gemlite()
+    return (None, reason) if reason else (gemlite_nvfp4_linear, None)
+
+
+def gemlite_config() -> tuple[int, int]:
+    """``(SPLIT_K, BLOCK_SIZE_K)`` of gemlite's NVFP4 kernel (``gemm_splitK_MX_kernel``, what it runs for M < 64)
+    in its last call: what its output's rounding depends on."""
+    from gemlite.triton_kernels import gemm_splitK_kernels as gk
+
+    cfg = gk.gemm_splitK_MX_kernel.best_config.kwargs
+    return cfg["SPLIT_K"], cfg["BLOCK_SIZE_K"]
+
+
+def gemlite_allowance(want: torch.Tensor, split_k: int) -> float:
+    """The absolute difference from our reference that gemlite's split-K output may have.
+
+    Each of its ``split_k`` partial sums is rounded to the output dtype and added by a 16-bit atomic add (which
+    rounds again), so an output can miss the once-rounded reference by a few 16-bit steps of the partials; on the
+    H200 it also missed its own split-K model (:func:`gemlite_split_k_ref`) at outputs near zero (the partials'
+    fp32 order).  ``split_k + 1`` bf16 steps of the largest output: a wrong weight gives errors of the output's
+    own size, far beyond it (its one-hot columns are bit-exact: ``benchmarks/gemlite_check.py``)."""
+    return (split_k + 1) * 2.0**-8 * float(want.float().abs().max())
+
+
+def check_gemlite(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, codes: torch.Tensor,
+                  scales: torch.Tensor, weight_dec: torch.Tensor | float) -> tuple[str, str | None]:
+    """Call gemlite's layer on ``x`` once and compare it with our reference within :func:`gemlite_allowance`.
+
+    Returns ``(label, None)``, the label naming the split-K it ran (its autotuner picks it per shape and batch),
+    or ``(label, why)``: a one-line reason not to time it."""
+    got = layer(x)
+    split_k, _ = gemlite_config()
+    label = f"gemlite (split {split_k})"
+    want = linear_w4a16_ref(x, codes, scales, weight_dec)
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return label, f"output {list(got.shape)} {got.dtype}, expected {list(want.shape)} {want.dtype}"
+    try:
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=gemlite_allowance(want, split_k))
+    except AssertionError as e:
+        lines = str(e).strip().splitlines()
+        return label, f"differs from our reference beyond its split-K allowance ({lines[0]}; {lines[-1].strip()})"
+    return label, None
 
 
 def gemlite_nvfp4_linear(codes: torch.Tensor, scales: torch.Tensor, weight_gs: GlobalScale | torch.Tensor, *,

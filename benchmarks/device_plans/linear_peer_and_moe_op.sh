@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The linear decode table beside gemlite through `bench linear --peers gemlite` (every row of the issue's 40: both
+# models' four layers at T = 1, 2, 4, 8, 16, with cuBLAS bf16), and the MoE decode op through `bench moe_decode` at
+# T = 1, 2, 3, 4, 8, 16 with today's rules.  PARTS picks: warm (gemlite's compiles, one process per shape, into the
+# shared cache: ~150 s a shape one after another), lin, moe_n (the narrow layers), moe_w (the wide ones), t16 (the
+# narrow layers' Triton pairs at T = 12 and 16 with the three downs, every pair checked against moe_ref first).
+set -x
+source .carry/env.sh && source .carry/peers.sh
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}  # kept by a warm machine between calls
+on() { [[ ${PARTS:-warm lin moe_n moe_w t16} == *$1* ]]; }
+if on warm; then
+  timeout ${WARM_S:-240} python3 - <<'PY'
+import multiprocessing as mp, sys, time
+sys.path.insert(0, "benchmarks")
+import linear_decode_sweep as sweep
+from vllm_nvfp4_sm120.bench import MODELS
+shapes = [(n, k) for layers in MODELS.values() for _, n, k in layers]
+t0, ctx = time.time(), mp.get_context("spawn")
+procs = [ctx.Process(target=sweep._probe_gemlite, args=([s], [1, 2, 4, 8, 16], "default")) for s in shapes]
+for p in procs:
+    p.start()
+for p in procs:
+    p.join()
+print("gemlite warm:", [p.exitcode for p in procs], f"{time.time() - t0:.0f} s", flush=True)
+PY
+fi
+on lin && timeout ${LIN_S:-400} python3 -m vllm_nvfp4_sm120.bench linear --models qwen3-32b,llama-3.3-70b \
+  --tokens 1,2,4,8,16 --kernels dispatch,cublas-bf16 --peers gemlite --min-bytes 1e9 --json $OUT/linear_peers.json
+on moe_n && timeout ${MOE_S:-280} python3 -m vllm_nvfp4_sm120.bench moe_decode \
+  --models qwen3-30b-a3b,qwen3-next-80b-a3b --tokens 1,2,3,4,8,16 --json $OUT/moe_decode_narrow.json
+on moe_w && timeout ${MOE_S:-280} python3 -m vllm_nvfp4_sm120.bench moe_decode \
+  --models qwen3-235b-a22b,deepseek-v3 --tokens 1,2,3,4,8,16 --json $OUT/moe_decode_wide.json
+if on t16; then
+  P=$(for g in gu-n32k128-w2-st3-shift gu-n16k128-w2-st3 gu-n32k128-w1-st3-shift; do
+      for d in exp-n64k256-w2-tma-st2-shift exp-n64k256-w2-st2-shift tok-n32k128-w1-st3-shift; do echo -n "$g+$d,"; done
+    done | sed 's/,$//')
+  timeout ${T16_S:-200} python3 benchmarks/moe_decode_sweep.py --out $OUT/t16 --shapes qwen3-30b-a3b,qwen3-next-80b \
+    --tokens 12,16 --no-baseline --repeats 10 --pairs $P 2>&1 | grep -v '^#  ' | tail -30
+  python3 - "$OUT/t16/moe_decode.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(r["shape"], "T", r["T"], "floor", round(r["floor_us"], 1), "failed", r["failed"], r["errors"])
+    print("   layer:", {k: round(v, 1) for k, v in sorted(r["pairs_us"].items(), key=lambda kv: kv[1])})
+PY
+fi
+true
