@@ -3,12 +3,21 @@
 # models' four layers at T = 1, 2, 4, 8, 16, with cuBLAS bf16), and the MoE decode op through `bench moe_decode` at
 # T = 1, 2, 3, 4, 8, 16 with today's rules.  PARTS picks: warm (gemlite's compiles, one process per shape, into the
 # shared cache: ~150 s a shape one after another), lin, moe_n (the narrow layers), moe_w (the wide ones), t16 (the
-# narrow layers' Triton pairs at T = 12 and 16 with the three downs, every pair checked against moe_ref first).
+# narrow layers' Triton pairs at T = 12 and 16 with the three downs, every pair checked against moe_ref first), ds1
+# (the table's DeepSeek-V3 T = 1 pair as two kernels, beside the op's time of moe_w on the same machine).
 set -x
 source .carry/env.sh && source .carry/peers.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}  # kept by a warm machine between calls
-on() { [[ ${PARTS:-warm lin moe_n moe_w t16} == *$1* ]]; }
+on() { [[ ${PARTS:-warm lin moe_n moe_w t16 ds1} == *$1* ]]; }
+show() {  # the sweep's layer times per shape and T
+  python3 - "$1" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(r["shape"], "T", r["T"], "floor", round(r["floor_us"], 1), "failed", r["failed"], r["errors"])
+    print("   layer:", {k: round(v, 1) for k, v in sorted(r["pairs_us"].items(), key=lambda kv: kv[1])})
+PY
+}
 if on warm; then
   timeout ${WARM_S:-240} python3 - <<'PY'
 import multiprocessing as mp, sys, time
@@ -37,11 +46,12 @@ if on t16; then
     done | sed 's/,$//')
   timeout ${T16_S:-200} python3 benchmarks/moe_decode_sweep.py --out $OUT/t16 --shapes qwen3-30b-a3b,qwen3-next-80b \
     --tokens 12,16 --no-baseline --repeats 10 --pairs $P 2>&1 | grep -v '^#  ' | tail -30
-  python3 - "$OUT/t16/moe_decode.json" <<'PY'
-import json, sys
-for r in json.load(open(sys.argv[1]))["rows"]:
-    print(r["shape"], "T", r["T"], "floor", round(r["floor_us"], 1), "failed", r["failed"], r["errors"])
-    print("   layer:", {k: round(v, 1) for k, v in sorted(r["pairs_us"].items(), key=lambda kv: kv[1])})
-PY
+  show $OUT/t16/moe_decode.json
+fi
+if on ds1; then
+  timeout ${DS1_S:-150} python3 benchmarks/moe_decode_sweep.py --out $OUT/ds1 --shapes deepseek-v3 --tokens 1 \
+    --no-baseline --repeats 10 --pairs gus-m32t8+dns-m64t8-rw2-lc-c4,gu-n16k256-kw4-st3-shift+dns-m64t8-rw2-lc-c4 \
+    2>&1 | grep -v '^#  ' | tail -10
+  show $OUT/ds1/moe_decode.json
 fi
 true
