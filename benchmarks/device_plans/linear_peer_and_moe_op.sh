@@ -4,12 +4,14 @@
 # T = 1, 2, 3, 4, 8, 16 with today's rules.  PARTS picks: warm (gemlite's compiles, one process per shape, into the
 # shared cache: ~150 s a shape one after another), lin, moe_n (the narrow layers), moe_w (the wide ones), t16 (the
 # narrow layers' Triton pairs at T = 12 and 16 with the three downs, every pair checked against moe_ref first), ds1
-# (the table's DeepSeek-V3 T = 1 pair as two kernels, beside the op's time of moe_w on the same machine).
+# (the table's DeepSeek-V3 T = 1 pair as two kernels, beside the op's time of moe_w on the same machine), t16op (the
+# op at T = 12 and 16 on Qwen3-30B-A3B after the T = 16 token-major rule, and its GPU tests), ds12 (DeepSeek-V3 at T =
+# 1 and 2: three gate_ups with the streaming and the pointer down).
 set -x
 source .carry/env.sh && source .carry/peers.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}  # kept by a warm machine between calls
-on() { [[ ${PARTS:-warm lin moe_n moe_w t16 ds1} == *$1* ]]; }
+on() { [[ ${PARTS:-warm lin moe_n moe_w t16 ds1 t16op ds12} == *$1* ]]; }
 show() {  # the sweep's layer times per shape and T
   python3 - "$1" <<'PY'
 import json, sys
@@ -53,5 +55,19 @@ if on ds1; then
     --no-baseline --repeats 10 --pairs gus-m32t8+dns-m64t8-rw2-lc-c4,gu-n16k256-kw4-st3-shift+dns-m64t8-rw2-lc-c4 \
     2>&1 | grep -v '^#  ' | tail -10
   show $OUT/ds1/moe_decode.json
+fi
+if on t16op; then
+  timeout 200 python3 -m pytest -q -m gpu -n 4 tests/dispatch/test_moe_flow.py \
+    -k "op_runs_the_decode_plan and qwen3-30b and (12 or 16 or 32)" 2>&1 | tail -5
+  timeout 150 python3 -m vllm_nvfp4_sm120.bench moe_decode --models qwen3-30b-a3b --tokens 12,16 \
+    --json $OUT/moe_decode_t16.json 2>&1 | grep -v '^|'
+fi
+if on ds12; then
+  P=$(for g in gus-m32t8 gu-n16k256-kw4-st3-shift gu-n32k128-w1-st3-shift; do
+      for d in dns-m64t8-rw2-lc-c4 exp-n64k256-w2-st2-shift; do echo -n "$g+$d,"; done
+    done | sed 's/,$//')
+  timeout ${DS12_S:-200} python3 benchmarks/moe_decode_sweep.py --out $OUT/ds12 --shapes deepseek-v3 --tokens 1,2 \
+    --no-baseline --repeats 20 --pairs $P 2>&1 | grep -v '^#  ' | tail -3
+  show $OUT/ds12/moe_decode.json
 fi
 true

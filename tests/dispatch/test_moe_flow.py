@@ -488,9 +488,13 @@ def test_dispatch_decode_rows(monkeypatch):
     assert [plan(t, "qwen3-next-80b").decode_down for t in (1, 4, 5, 6, 8, 32)] == [
         "expert", "expert", "expert", "token", "token", "token"]
     assert plan(1).down == plan(4).down == M.DECODE_DOWN_TILES[M.DECODE_POINTER_DOWN_TILE]  # I = 768
-    # ... but the TMA tile at T = 5-16 (H200 runs 69 and 71, H100 run 68), not on the wider layers
+    # ... but the TMA tile at T = 5-15 (H200 runs 69 and 71, H100 run 68), not on the wider layers, and the
+    # token-major down at T = 16 (H100 run 87, H200 run 71)
     tma_down = M.DECODE_DOWN_TILES["exp-n64k256-w2-tma-st2-shift"]
-    assert [plan(t).down == tma_down for t in (4, 5, 8, 16, 17)] == [False, True, True, True, False]
+    assert [plan(t).down == tma_down for t in (4, 5, 8, 15, 16, 17)] == [False, True, True, True, False, False]
+    assert [plan(t).decode_down for t in (12, 15, 16, 17)] == ["expert", "expert", "token", "expert"]
+    assert plan(16).down == M.DECODE_DOWN_TILES[M.DECODE_TOKEN_DOWN_TILE] and plan(16).stream_down is None
+    assert plan(16, "qwen3-235b-a22b").decode_down == "expert"  # I = 1536
     assert plan(17).down == plan(4).down == M.DECODE_DOWN_TILES[M.DECODE_POINTER_DOWN_TILE]
     assert plan(6, "qwen3-235b-a22b").down == M.DECODE_DOWN_TILES[M.DECODE_POINTER_DOWN_TILE]  # I = 1536
     assert plan(6, intermediate=784).down == M.DECODE_DOWN_TILES[M.DECODE_POINTER_DOWN_TILE]

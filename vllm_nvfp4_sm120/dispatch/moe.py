@@ -247,6 +247,12 @@ DECODE_LATE_MAX_ROUTES_PER_EXPERT = W4A4_MIN_TOKENS_PER_EXPERT
 # expert-major dedupe saves little against its atomics and tile counting.
 DECODE_TOKEN_DOWN_MIN_T = 6
 DECODE_TOKEN_DOWN_MAX_I = 512
+# ... and at these T up to this I (Qwen3-30B-A3B, I = 768): at T = 16 the layer with the table's gate_up 1.06x with
+# the token-major down than with the TMA expert-major one on an H100 (run 87: 133.9 against 142.3 us; the best of
+# nine pairs) and on the H200 (run 71: 6 %); at T = 12 behind on both (run 87: 128.0 against 124.0 us), and at T = 5-7
+# (run 71), so T = 16 only (T > 16 not measured).
+DECODE_TOKEN_DOWN_MID_T = (16, 16)
+DECODE_TOKEN_DOWN_MID_MAX_I = 768
 DECODE_TOKEN_DOWN_TILE = "tok-n32k128-w1-st3-shift"
 # The expert-major down by pointer loads where I > DECODE_TMA_DOWN_MAX_I, at every decode T.  H200 run 35: the kernel
 # alone within 2 % of the rows' TMA tiles or faster at T = 1, 2, 4, 16 on Qwen3-30B-A3B, Qwen3-235B-A22B, DeepSeek-V3
@@ -260,8 +266,8 @@ DECODE_POINTER_DOWN_TILE = "exp-n64k256-w2-st2-shift"
 # / 16 (61.9 / 66.5 / 76.0 / 81.8 / 117.1 / 136.2 against 66.2 / 71.5 / 82.1 / 86.7 / 125.7 / 149.3 us); run 69 the
 # same at T = 6 / 8 (1.08 / 1.06x; alone 1.20 / 1.15x), H100 run 68 the best down beside every gate_up at T = 6; at
 # T = 4 the pointer tile won (53.9 against 55.5 us, run 69).  (The token-major down was ahead of both at T = 8 and 16
-# by 2 and 6 %, behind at T = 5-7 and 12: no rule at I = 768 from one run.)  Decode T run in CUDA graphs, so the TMA
-# launch's descriptor encoding costs no host time there.  T > 16 not measured.
+# by 2 and 6 %, behind at T = 5-7 and 12: T = 16 is its row since H100 run 87, above.)  Decode T run in CUDA graphs, so
+# the TMA launch's descriptor encoding costs no host time there.  T > 16 not measured.
 DECODE_TMA_DOWN_MID_T = (5, 16)
 DECODE_TMA_DOWN_MID_MAX_I = 768
 # The gate_up of the widest layers at small T: one warp over 64 stacked rows (gate and up of 32 columns), each
@@ -421,7 +427,9 @@ def decode_tier_plan(cap: Capability, num_tokens: int, *, hidden: int, intermedi
                                  tier=f"{cap.family}/decode/fused-{fused[2]}")
     i, (_, name, down_name, _) = next(((i, r) for i, r in enumerate(rows) if num_tokens <= r[0]),
                                       (len(rows) - 1, rows[-1]))
-    token = num_tokens >= DECODE_TOKEN_DOWN_MIN_T and intermediate <= DECODE_TOKEN_DOWN_MAX_I
+    token = (num_tokens >= DECODE_TOKEN_DOWN_MIN_T and intermediate <= DECODE_TOKEN_DOWN_MAX_I) or (
+        DECODE_TOKEN_DOWN_MID_T[0] <= num_tokens <= DECODE_TOKEN_DOWN_MID_T[1]
+        and intermediate <= DECODE_TOKEN_DOWN_MID_MAX_I)
     kind = DecodeDown.TOKEN if token else DecodeDown.EXPERT
     wide = hidden >= DECODE_WIDE_GATE_UP_MIN_H and num_tokens <= DECODE_WIDE_GATE_UP_MAX_T
     gate_up = DECODE_GATE_UP_TILES[DECODE_WIDE_GATE_UP_TILE if wide else name]
