@@ -11,7 +11,7 @@ set -x
 source .carry/env.sh && source .carry/peers.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}  # kept by a warm machine between calls
-on() { [[ ${PARTS:-warm lin moe_n moe_w t16 ds1 t16op ds12} == *$1* ]]; }
+on() { [[ " ${PARTS:-warm lin moe_n moe_w t16 ds1 t16op ds12} " == *" $1 "* ]]; }  # whole words
 show() {  # the sweep's layer times per shape and T
   python3 - "$1" <<'PY'
 import json, sys
