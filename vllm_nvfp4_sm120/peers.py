@@ -79,7 +79,7 @@ def gemlite_factory(autotune: str = "default") -> tuple[Callable | None, str | N
             sys.modules["gemlite.triton_kernels.config"] = cfg
         except Exception as e:  # a broken install, or its import-time CUDA queries failing without a GPU
             return None, f"gemlite not importable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    a16w4_nvfp, reason = _import_gemlite()
+    _, reason = _import_gemlite()
     return (None, reason) if reason else (gemlite_nvfp4_linear, None)
 
 

@@ -247,10 +247,10 @@ DECODE_LATE_MAX_ROUTES_PER_EXPERT = W4A4_MIN_TOKENS_PER_EXPERT
 # expert-major dedupe saves little against its atomics and tile counting.
 DECODE_TOKEN_DOWN_MIN_T = 6
 DECODE_TOKEN_DOWN_MAX_I = 512
-# ... and at these T up to this I (Qwen3-30B-A3B, I = 768): at T = 16 the layer with the table's gate_up 1.06x with
-# the token-major down than with the TMA expert-major one on an H100 (run 87: 133.9 against 142.3 us; the best of
-# nine pairs) and on the H200 (run 71: 6 %); at T = 12 behind on both (run 87: 128.0 against 124.0 us), and at T = 5-7
-# (run 71), so T = 16 only (T > 16 not measured).
+# ... and at these T up to this I (Qwen3-30B-A3B, I = 768): at T = 16 the layer with the table's gate_up is 1.06x
+# faster with the token-major down than with the TMA expert-major one on an H100 (runs 87 / 88: 133.9 / 133.6 against
+# 142.3 / 143.2 us, the best of nine pairs both times) and on the H200 (run 71: 6 %); at T = 12 it is behind on both
+# (run 87: 128.0 against 124.0 us), and at T = 5-7 (run 71), so T = 16 only (T > 16 not measured).
 DECODE_TOKEN_DOWN_MID_T = (16, 16)
 DECODE_TOKEN_DOWN_MID_MAX_I = 768
 DECODE_TOKEN_DOWN_TILE = "tok-n32k128-w1-st3-shift"
