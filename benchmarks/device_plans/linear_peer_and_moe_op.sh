@@ -75,8 +75,9 @@ if on ncu; then
   M=gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
   M=$M,launch__grid_size,launch__block_size,launch__registers_per_thread,sm__warps_active.avg.per_cycle_active
   M=$M,smsp__issue_active.avg.per_cycle_active,smsp__inst_executed.sum
-  M=$M,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active
-  M=$M,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active
+  P=avg.pct_of_peak_sustained_active
+  M=$M,sm__pipe_alu_cycles_active.$P,sm__pipe_fma_cycles_active.$P
+  M=$M,sm__inst_executed_pipe_alu.$P,sm__inst_executed_pipe_fma.$P
   timeout ${NCU_S:-300} ncu --clock-control none --nvtx --nvtx-include 'regex:moe-.*/' -k regex:moe --metrics $M \
     --csv python3 benchmarks/ncu_probe.py --moe 'qwen3-30b-a3b:1,2,3,4;qwen3-next-80b-a3b:1,2,4' --linear '' \
     > $OUT/ncu.csv 2> $OUT/ncu.err
