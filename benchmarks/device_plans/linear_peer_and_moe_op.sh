@@ -7,12 +7,13 @@
 # (the table's DeepSeek-V3 T = 1 pair as two kernels, beside the op's time of moe_w on the same machine), t16op (the
 # op at T = 12 and 16 on Qwen3-30B-A3B after the T = 16 token-major rule, and its GPU tests), ds12 (DeepSeek-V3 at T =
 # 1 and 2: three gate_ups with the streaming and the pointer down), ncu (Nsight Compute metrics of the narrow layers'
-# decode kernels at T = 1-4 through the op: time, DRAM bytes, issue and the ALU / FMA pipes; to $OUT/ncu.csv).
+# decode kernels at T = 1-4 through the op: time, DRAM bytes, issue and the ALU / FMA pipes; to $OUT/ncu.csv), ncul
+# (the same metrics for the linear plans of Qwen3-32B's four layers; to $OUT/ncu_linear.csv).
 set -x
 source .carry/env.sh && source .carry/peers.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}  # kept by a warm machine between calls
-on() { [[ " ${PARTS:-warm lin moe_n moe_w t16 ds1 t16op ds12 ncu} " == *" $1 "* ]]; }  # whole words
+on() { [[ " ${PARTS:-warm lin moe_n moe_w t16 ds1 t16op ds12 ncu ncul} " == *" $1 "* ]]; }  # whole words
 show() {  # the sweep's layer times per shape and T
   python3 - "$1" <<'PY'
 import json, sys
@@ -71,16 +72,23 @@ if on ds12; then
     --no-baseline --repeats 20 --pairs $P 2>&1 | grep -v '^#  ' | tail -3
   show $OUT/ds12/moe_decode.json
 fi
+M=gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
+M=$M,launch__grid_size,launch__block_size,launch__registers_per_thread,sm__warps_active.avg.per_cycle_active
+M=$M,smsp__issue_active.avg.per_cycle_active,smsp__inst_executed.sum
+P=avg.pct_of_peak_sustained_active
+M=$M,sm__pipe_alu_cycles_active.$P,sm__pipe_fma_cycles_active.$P
+M=$M,sm__inst_executed_pipe_alu.$P,sm__inst_executed_pipe_fma.$P
 if on ncu; then
-  M=gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
-  M=$M,launch__grid_size,launch__block_size,launch__registers_per_thread,sm__warps_active.avg.per_cycle_active
-  M=$M,smsp__issue_active.avg.per_cycle_active,smsp__inst_executed.sum
-  P=avg.pct_of_peak_sustained_active
-  M=$M,sm__pipe_alu_cycles_active.$P,sm__pipe_fma_cycles_active.$P
-  M=$M,sm__inst_executed_pipe_alu.$P,sm__inst_executed_pipe_fma.$P
   timeout ${NCU_S:-300} ncu --clock-control none --nvtx --nvtx-include 'regex:moe-.*/' -k regex:moe --metrics $M \
     --csv python3 benchmarks/ncu_probe.py --moe 'qwen3-30b-a3b:1,2,3,4;qwen3-next-80b-a3b:1,2,4' --linear '' \
     > $OUT/ncu.csv 2> $OUT/ncu.err
   echo "ncu rc $?"; grep -v '^"' $OUT/ncu.csv | tail -12; tail -5 $OUT/ncu.err; wc -l $OUT/ncu.csv
+fi
+if on ncul; then
+  timeout ${NCU_S:-300} ncu --clock-control none --nvtx --nvtx-include 'regex:linear-.*/' -k 'regex:gemv|stream' \
+    --metrics $M --csv python3 benchmarks/ncu_probe.py --moe '' \
+    --linear '10240x5120:1,2,16;5120x8192:1,2,16;51200x5120:1,8,16;5120x25600:1,8,16' \
+    > $OUT/ncu_linear.csv 2> $OUT/ncu_linear.err
+  echo "ncu rc $?"; grep -v '^"' $OUT/ncu_linear.csv | tail -14; tail -5 $OUT/ncu_linear.err; wc -l $OUT/ncu_linear.csv
 fi
 true
