@@ -8,12 +8,13 @@
 # op at T = 12 and 16 on Qwen3-30B-A3B after the T = 16 token-major rule, and its GPU tests), ds12 (DeepSeek-V3 at T =
 # 1 and 2: three gate_ups with the streaming and the pointer down), ncu (Nsight Compute metrics of the narrow layers'
 # decode kernels at T = 1-4 through the op: time, DRAM bytes, issue and the ALU / FMA pipes; to $OUT/ncu.csv), ncul
-# (the same metrics for the linear plans of Qwen3-32B's four layers; to $OUT/ncu_linear.csv).
+# (the same metrics for the linear plans of Qwen3-32B's four layers; to $OUT/ncu_linear.csv), downs12 (the narrow
+# layers at T = 1-2: the rows' gate_ups with eight downs, smaller and pointer / TMA / token-major / streaming).
 set -x
 source .carry/env.sh && source .carry/peers.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}  # kept by a warm machine between calls
-on() { [[ " ${PARTS:-warm lin moe_n moe_w t16 ds1 t16op ds12 ncu ncul} " == *" $1 "* ]]; }  # whole words
+on() { [[ " ${PARTS:-warm lin moe_n moe_w t16 ds1 t16op ds12 ncu ncul downs12} " == *" $1 "* ]]; }  # whole words
 show() {  # the sweep's layer times per shape and T
   python3 - "$1" <<'PY'
 import json, sys
@@ -90,5 +91,14 @@ if on ncul; then
     --linear '10240x5120:1,2,16;5120x8192:1,2,16;51200x5120:1,8,16;5120x25600:1,8,16' \
     > $OUT/ncu_linear.csv 2> $OUT/ncu_linear.err
   echo "ncu rc $?"; grep -v '^"' $OUT/ncu_linear.csv | tail -14; tail -5 $OUT/ncu_linear.err; wc -l $OUT/ncu_linear.csv
+fi
+if on downs12; then
+  P=$(for g in gu-n16k256-kw4-st3-shift gu-n16k128-w2-st3; do
+      for d in exp-n64k256-w2-st2-shift exp-n32k256-w2-tma-st2 exp-n32k256-w2-tma-st2-shift exp-n32k256-w2-st2 \
+               exp-n16k128-w1-st3 exp-n32k128-w2-st3 tok-n16k256-w4-fma dns-m32t8-w2; do echo -n "$g+$d,"; done
+    done | sed 's/,$//')
+  timeout ${D12_S:-300} python3 benchmarks/moe_decode_sweep.py --out $OUT/downs12 --shapes qwen3-30b-a3b,qwen3-next-80b \
+    --tokens 1,2 --no-baseline --repeats 10 --pairs $P 2>&1 | grep -v '^#  ' | tail -3
+  show $OUT/downs12/moe_decode.json
 fi
 true
