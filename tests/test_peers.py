@@ -288,7 +288,8 @@ def test_check_gemlite_takes_its_split_k_output(gen, fake_gemlite_kernel, split_
     dec = gs.dec.expand(96).contiguous()
     layer = peers.gemlite_nvfp4_linear(p.codes, p.scales, dec, dtype=dtype)
     x = torch.randn(3, 1024, generator=gen).to(dtype)
-    assert peers.check_gemlite(layer, x, p.codes, p.scales, dec) == (f"gemlite (split {split_k})", None)
+    want = linear_w4a16_ref(x, p.codes, p.scales, dec)
+    assert peers.check_gemlite(layer(x), want) == (f"gemlite (split {split_k})", None)
 
 
 def test_check_gemlite_refuses_a_wrong_weight_or_shape(gen, fake_gemlite_kernel):
@@ -301,10 +302,11 @@ def test_check_gemlite_refuses_a_wrong_weight_or_shape(gen, fake_gemlite_kernel)
     wrong = (p.codes >> 4) | (p.codes << 4)
     fake_gemlite_kernel["output"] = lambda x, codes, scales, d: peers.gemlite_split_k_ref(
         x, wrong, scales, d, split_k=2, block_k=64)
-    label, why = peers.check_gemlite(layer, x, p.codes, p.scales, dec)
+    want = linear_w4a16_ref(x, p.codes, p.scales, dec)
+    label, why = peers.check_gemlite(layer(x), want)
     assert label == "gemlite (split 2)" and "beyond its split-K allowance" in why and "\n" not in why
     fake_gemlite_kernel["output"] = lambda x, codes, scales, d: torch.zeros(3, 95, dtype=x.dtype)
-    assert "expected [3, 96]" in peers.check_gemlite(layer, x, p.codes, p.scales, dec)[1]
+    assert "expected [3, 96]" in peers.check_gemlite(layer(x), want)[1]
 
 
 def test_gemlite_allowance_is_split_k_plus_one_bf16_steps_of_the_largest_output():

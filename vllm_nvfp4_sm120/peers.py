@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from .format.checks import ACT_DTYPES, check_tensor
-from .format.reference import linear_w4a16_ref, unit_values
+from .format.reference import unit_values
 from .format.scales import GlobalScale, per_row_decode
 
 PEERS = ("gemlite",)  # what ``bench linear --peers`` accepts
@@ -103,16 +103,14 @@ def gemlite_allowance(want: torch.Tensor, split_k: int) -> float:
     return (split_k + 1) * 2.0**-8 * float(want.float().abs().max())
 
 
-def check_gemlite(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, codes: torch.Tensor,
-                  scales: torch.Tensor, weight_dec: torch.Tensor | float) -> tuple[str, str | None]:
-    """Call gemlite's layer on ``x`` once and compare it with our reference within :func:`gemlite_allowance`.
+def check_gemlite(got: torch.Tensor, want: torch.Tensor) -> tuple[str, str | None]:
+    """gemlite's output ``got`` (from the call just made) against our reference ``want`` within
+    :func:`gemlite_allowance`.
 
-    Returns ``(label, None)``, the label naming the split-K it ran (its autotuner picks it per shape and batch),
-    or ``(label, why)``: a one-line reason not to time it."""
-    got = layer(x)
+    Returns ``(label, None)``, the label naming the split-K that call ran (its autotuner picks it per shape and
+    batch), or ``(label, why)``: a one-line reason not to time it."""
     split_k, _ = gemlite_config()
     label = f"gemlite (split {split_k})"
-    want = linear_w4a16_ref(x, codes, scales, weight_dec)
     if got.shape != want.shape or got.dtype != want.dtype:
         return label, f"output {list(got.shape)} {got.dtype}, expected {list(want.shape)} {want.dtype}"
     try:

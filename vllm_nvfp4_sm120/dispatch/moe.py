@@ -266,9 +266,9 @@ DECODE_POINTER_DOWN_TILE = "exp-n64k256-w2-st2-shift"
 # / 16 (61.9 / 66.5 / 76.0 / 81.8 / 117.1 / 136.2 against 66.2 / 71.5 / 82.1 / 86.7 / 125.7 / 149.3 us); run 69 the
 # same at T = 6 / 8 (1.08 / 1.06x; alone 1.20 / 1.15x), H100 run 68 the best down beside every gate_up at T = 6; at
 # T = 4 the pointer tile won (53.9 against 55.5 us, run 69).  (The token-major down was ahead of both at T = 8 and 16
-# by 2 and 6 %, behind at T = 5-7 and 12: T = 16 is its row since H100 run 87, above.)  Decode T run in CUDA graphs, so
-# the TMA launch's descriptor encoding costs no host time there.  T > 16 not measured.
-DECODE_TMA_DOWN_MID_T = (5, 16)
+# by 2 and 6 %, behind at T = 5-7 and 12: T = 16 is its row since H100 run 87, above, so this window ends at 15.)
+# Decode T run in CUDA graphs, so the TMA launch's descriptor encoding costs no host time there.  T > 16 not measured.
+DECODE_TMA_DOWN_MID_T = (5, 15)
 DECODE_TMA_DOWN_MID_MAX_I = 768
 # The gate_up of the widest layers at small T: one warp over 64 stacked rows (gate and up of 32 columns), each
 # activation fragment shared by 64 weight rows over a long K loop.  H200, DeepSeek-V3 (H = 7168; run 43: 65.6 / 110.4
