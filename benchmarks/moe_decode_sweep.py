@@ -327,10 +327,15 @@ for _name in ("dns-m32t8-lc", "dns-m64t8-rw2-lc"):
 for _name in ("dns-m32t8-lc", "dns-m64t8-rw2-lc"):
     _kind, _det, _tile = STREAM_DOWN[_name]
     STREAM_DOWN[f"{_name}-ov"] = (_kind, _det, replace(_tile, overlap_runs=True, max_regs=168, ctas_per_sm=3))
+# ("-pf": the program's down slice asked of L2 first, so its H loop, 2048-7168 rows in short steps, reads L2.)
 SPLIT_I_DOWN = {
-    "spl-h64": ("split_i", False, SplitIDown(64, 2, 1)),
-    "spl-h64-c4": ("split_i", False, SplitIDown(64, 2, 4)),
-    "spl-h128": ("split_i", False, SplitIDown(128, 2, 1)),
+    "spl-h64": ("split_i", False, SplitIDown(64, 1)),
+    "spl-h64-pf": ("split_i", False, SplitIDown(64, 1, prefetch=True)),
+    "spl-h128": ("split_i", False, SplitIDown(128, 1)),
+    "spl-h128-c4": ("split_i", False, SplitIDown(128, 4)),
+    "spl-h128-pf": ("split_i", False, SplitIDown(128, 1, prefetch=True)),
+    "spl-h256-pf": ("split_i", False, SplitIDown(256, 1, prefetch=True)),
+    "spl-h128-pf-c4": ("split_i", False, SplitIDown(128, 4, prefetch=True)),
 }
 ANY_DOWN = DOWN | STREAM_DOWN | SPLIT_I_DOWN  # after every DOWN entry above
 # What a run sweeps without --gate-up / --down (about ten kernel tiles: each compiles once per routing bucket, and

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one-launch decode MoE layer with the down split over I (kernels/moe_decode_split_i.py).  PARTS picks: tests
-# (its GPU tests against moe_ref: the five sweep pairs on the real shapes, fp16 / gelu / maps, graph replay),
+# (its GPU tests against moe_ref: the six sweep pairs on the real shapes, fp16 / gelu / maps, graph replay),
 # narrow (Qwen3-30B-A3B and Qwen3-Next-80B at T = 1-4: the split-I pairs as layers beside today's op, the sweep's
 # baseline, every pair checked against moe_ref first), wide (Qwen3-235B-A22B and DeepSeek-V3 at T = 1-2), stall
 # (Nsight Compute's warp states of the op's narrow T = 1 kernels and of the linear streaming kernel: where the
@@ -20,7 +20,8 @@ for r in json.load(open(sys.argv[1]))["rows"]:
 PY
 }
 G1=gu-n16k256-kw4-st3-shift
-P=$G1-r128+spl-h64,$G1-r128+spl-h64-c4,$G1+spl-h128,gu-n32k256-kw4-st2-shift-r168+spl-h64,gu-n16k128-w2-st3+spl-h128
+P=$G1-r128+spl-h64,$G1-r128+spl-h64-pf,$G1+spl-h128-pf-c4,$G1+spl-h256-pf,gu-n32k256-kw4-st2-shift-r168+spl-h64
+P=$P,gu-n16k128-w2-st3+spl-h128-c4
 if on tests; then
   timeout ${TESTS_S:-300} python3 -m pytest -q -m gpu -n 8 tests/kernels/test_moe_decode_split_i.py 2>&1 | tail -6
 fi

@@ -33,14 +33,14 @@ GATE_N32 = DecodeTile(32, 32, 16, num_warps=4, num_stages=2, use_dot=True)
 
 # (T, E, top_k, H, I, activation, gate tile, down, options)
 CASES = [
-    (0, 8, 2, 80, 96, "silu", GATE, SplitIDown(16, 1, 1), {}),
-    (1, 8, 1, 80, 96, "silu", GATE, SplitIDown(16, 1, 1), {}),
-    (1, 60, 4, 112, 176, "gelu_tanh", GATE_N32, SplitIDown(32, 2, 2), {}),  # I % 32 != 0: the last block short
-    (2, 8, 2, 112, 176, "silu", GATE_KW, SplitIDown(64, 2, 1), {"ids_dtype": torch.int64}),
-    (3, 60, 2, 80, 96, "gelu_tanh", GATE, SplitIDown(32, 2, 3), {"with_map": True}),
-    (5, 8, 2, 112, 96, "silu", GATE, SplitIDown(16, 2, 1), {"with_map": True}),  # 10 slots > 8 experts
-    (5, 60, 4, 80, 176, "silu", GATE_KW, SplitIDown(32, 1, 4), {"skewed": True}),
-    (16, 8, 4, 80, 96, "gelu_tanh", GATE, SplitIDown(64, 2, 2), {"skewed": True}),  # 16 routes per expert
+    (0, 8, 2, 80, 96, "silu", GATE, SplitIDown(16, 1), {}),
+    (1, 8, 1, 80, 96, "silu", GATE, SplitIDown(16, 1), {}),
+    (1, 60, 4, 112, 176, "gelu_tanh", GATE_N32, SplitIDown(32, 2), {}),  # I % 32 != 0: the last block short
+    (2, 8, 2, 112, 176, "silu", GATE_KW, SplitIDown(64, 1), {"ids_dtype": torch.int64}),
+    (3, 60, 2, 80, 96, "gelu_tanh", GATE, SplitIDown(32, 3), {"with_map": True}),
+    (5, 8, 2, 112, 96, "silu", GATE, SplitIDown(16, 1), {"with_map": True}),  # 10 slots > 8 experts
+    (5, 60, 4, 80, 176, "silu", GATE_KW, SplitIDown(32, 4), {"skewed": True}),
+    (16, 8, 4, 80, 96, "gelu_tanh", GATE, SplitIDown(64, 2), {"skewed": True}),  # 16 routes per expert
 ]
 
 
@@ -70,7 +70,7 @@ def test_layer_matches_reference(case):
 
 def test_workspace_serves_later_calls():
     # One workspace over calls of other routings and token counts: each call right, the workspace left zero.
-    down = SplitIDown(32, 2, 2)
+    down = SplitIDown(32, 2)
     ws = split_i_workspace(5, 80, down, DEVICE)
     for t, seed in ((5, 0), (3, 1), (5, 2), (1, 3)):
         p = _problem(t, 60, 4, 80, 96, with_map=seed % 2 == 1, seed=seed)
@@ -84,13 +84,13 @@ def test_token_without_local_expert_is_zero():
     ti = ti.clone()
     ti[1] = 0  # expert 0 is on another rank (the map holds the odd ones here)
     p = (x, w13, d13, w2, d2, tw, ti, emap)
-    out = _split(p, GATE, SplitIDown(16, 1, 1), out=torch.full_like(x, 3.0))
+    out = _split(p, GATE, SplitIDown(16, 1), out=torch.full_like(x, 3.0))
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert_moe_close(out, _ref(p))
 
 
 def test_workspace_numel():
-    assert ms.workspace_numel(3, 200, SplitIDown(64, 2, 4)) == 4 * 3 * 200
+    assert ms.workspace_numel(3, 200, SplitIDown(64, 4)) == 4 * 3 * 200
     sums, count = split_i_workspace(2, 64, SplitIDown(copies=2), "cpu")
     assert sums.shape == (256,) and sums.dtype == torch.float32 and count.shape == (1,) and count.dtype == torch.int32
 
@@ -98,7 +98,7 @@ def test_workspace_numel():
 def _bad_input_cases():
     p = _problem(2, 8, 2, 80, 96)
     x, w13, d13, w2, d2, tw, ti, _ = p
-    down = SplitIDown(16, 1, 2)
+    down = SplitIDown(16, 2)
     run = functools.partial(moe_decode_split_i, gate_up_tile=GATE, down=down)
     args = (w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti)
     return [
@@ -124,8 +124,8 @@ def _bad_input_cases():
         ("gate_up_tile", lambda: moe_decode_split_i(x, *args, gate_up_tile=MoeStreamTile(64, 8, row_warps=2),
                                                     down=down)),
         ("down", lambda: moe_decode_split_i(x, *args, gate_up_tile=GATE, down=GATE)),
-        ("SplitIDown", lambda: SplitIDown(48, 2, 1)),
-        ("SplitIDown", lambda: SplitIDown(64, 2, 0)),
+        ("SplitIDown", lambda: SplitIDown(48, 1)),
+        ("SplitIDown", lambda: SplitIDown(64, 0)),
         ("activation", lambda: run(x, *args, activation="relu")),
         ("out", lambda: run(x, *args, out=x[:1])),
     ]
@@ -141,9 +141,11 @@ def test_bad_input_names_the_tensor(case):
 # ---------------------------------------------------------------------------------------------------------------
 # Compiles: the sweep's split-I pairs
 # ---------------------------------------------------------------------------------------------------------------
-SPLIT_PAIRS = [("gu-n16k256-kw4-st3-shift-r128", "spl-h64"), ("gu-n16k256-kw4-st3-shift-r128", "spl-h64-c4"),
-               ("gu-n16k256-kw4-st3-shift", "spl-h128"), ("gu-n32k256-kw4-st2-shift-r168", "spl-h64"),
-               ("gu-n16k128-w2-st3", "spl-h128")]
+# Each compiles without local memory for sm_90 and sm_120 (below; the 128-register cap with 128-row down steps uses
+# 56-96 bytes of stack on sm_120, so it has 64-row steps).
+SPLIT_PAIRS = [("gu-n16k256-kw4-st3-shift-r128", "spl-h64"), ("gu-n16k256-kw4-st3-shift-r128", "spl-h64-pf"),
+               ("gu-n16k256-kw4-st3-shift", "spl-h128-pf-c4"), ("gu-n16k256-kw4-st3-shift", "spl-h256-pf"),
+               ("gu-n32k256-kw4-st2-shift-r168", "spl-h64"), ("gu-n16k128-w2-st3", "spl-h128-c4")]
 
 
 @functools.cache
@@ -199,7 +201,7 @@ def test_split_pairs_compile_with_the_native_convert(pair):
     ((("EVEN_H", False), ("EVEN_I", False), ("HAS_MAP", True)), "fp16"),
 ], ids=["gelu-by-expert-map", "fp16-tails"])
 def test_switches_compile_for_sm120(extra, dtype):
-    rep = _compile("gu-n16k256-kw4-st3-shift-r128", "spl-h64", 120, extra, dtype)
+    rep = _compile("gu-n16k256-kw4-st3-shift-r128", "spl-h64-pf", 120, extra, dtype)
     rep.require_no_local().require_smem().require_sass(r"\bHMMA\.16816\.F32\b")
 
 
@@ -226,7 +228,7 @@ def test_gpu_layer(name, t, pair):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pair", [0, 3])
+@pytest.mark.parametrize("pair", [1, 4])
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3", "odd"])
 def test_gpu_fp16_gelu_map_skewed(name, pair):
     from test_moe_decode import _gpu_problem_and_ref
@@ -237,7 +239,7 @@ def test_gpu_fp16_gelu_map_skewed(name, pair):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pair", [0, 1])
+@pytest.mark.parametrize("pair", [1, 2])
 def test_gpu_graph_replay_and_shared_workspace(pair):
     # Two "layers" (other banks, other routings) captured in one graph on one workspace, replayed three times:
     # each replay within the reference's tolerance of eager (the sums' order is the arrival order), the

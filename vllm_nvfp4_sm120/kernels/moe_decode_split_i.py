@@ -43,11 +43,13 @@ from .moe_common import gated_activation_f32
 from .moe_decode import (
     DECODE_CVT,
     DECODE_PTX,
+    DECODE_TL,
     DecodeTile,
     _BANK,
     _chunk_routes,
     _divisible,
     _expert_rows_product,
+    _PREFETCH_L2_PTX,
     _Launches,
     _load_tile,
     _program_expert,
@@ -65,16 +67,18 @@ MAX_TOKENS = 16  # the cast is one program's: T * H elements
 @dataclass(frozen=True)
 class SplitIDown:
     """The down part of a program: ``block_h`` rows of H per step of its loop over H (the MMA's M; K is the gate_up
-    tile's ``block_n`` columns), ``num_stages`` of that loop, and the copies of the fp32 sums."""
+    tile's ``block_n`` columns; each step's loads are issued before the previous step's product, from registers, since
+    Triton's pipeliner does not stage these narrow loads), the copies of the fp32 sums, and ``prefetch``: the program
+    first asks L2 for its down slice (one line per row of codes and of scales, GPU only), so the slice comes in while
+    its gate_up part streams and the H loop, a chain of short dependent steps, reads L2."""
 
     block_h: int = 128
-    num_stages: int = 2
     copies: int = 1
+    prefetch: bool = False
 
     def __post_init__(self):
-        if self.block_h not in (16, 32, 64, 128, 256) or self.num_stages < 1 or self.copies < 1:
-            raise ValueError(f"SplitIDown: block_h must be 16-256 (a power of two), num_stages and copies >= 1, "
-                             f"got {self}")
+        if self.block_h not in (16, 32, 64, 128, 256) or self.copies < 1:
+            raise ValueError(f"SplitIDown: block_h must be 16-256 (a power of two) and copies >= 1, got {self}")
 
 
 def check_split_i_tiles(gate_up_tile: DecodeTile, down: SplitIDown) -> None:
@@ -117,7 +121,7 @@ def _moe_decode_split_i_kernel(
     FAST_DECODE: tl.constexpr, EVEN_H: tl.constexpr, EVEN_I: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr, SHIFT: tl.constexpr,
     K_WARPS: tl.constexpr, EVICT_FIRST: tl.constexpr,
-    BLOCK_H: tl.constexpr, H_STAGES: tl.constexpr, COPIES: tl.constexpr,
+    BLOCK_H: tl.constexpr, COPIES: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -133,10 +137,21 @@ def _moe_decode_split_i_kernel(
         e64 = e.to(tl.int64)
         w_rows = e64 * stride_w13e + w_row * stride_w13n
         s_rows = e64 * stride_s13e + w_row * stride_s13n
+        offs_h = tl.arange(0, BLOCK_H)
+        w_rows2 = e64 * stride_w2e + offs_h.to(tl.int64) * stride_w2n  # the down slice's first step
+        s_rows2 = e64 * stride_s2e + offs_h.to(tl.int64) * stride_s2n
+        if PREFETCH:  # the line of each down row that holds this program's codes, and the one of its scales
+            for h0 in range(0, H, BLOCK_H):
+                hs64 = tl.minimum(h0 + offs_h, H - 1).to(tl.int64)
+                pc = w2_ptr + (e64 * stride_w2e + hs64 * stride_w2n + pid_n * (BLOCK_N // 2))
+                ps = w2_sf_ptr + (e64 * stride_s2e + hs64 * stride_s2n + pid_n * (BLOCK_N // 16))
+                tl.inline_asm_elementwise(_PREFETCH_L2_PTX, "=r,l", [pc.to(tl.int64)], dtype=tl.int32,
+                                          is_pure=False, pack=1)
+                tl.inline_asm_elementwise(_PREFETCH_L2_PTX, "=r,l", [ps.to(tl.int64)], dtype=tl.int32,
+                                          is_pure=False, pack=1)
         dec13 = tl.load(w13_dec_ptr + e)
         dec2 = tl.load(w2_dec_ptr + e)
         sums = sums_ptr + ((row * num_n + pid_n) % COPIES).to(tl.int64) * T * H
-        offs_h = tl.arange(0, BLOCK_H)
         for c0 in range(0, count, BLOCK_T):
             route, r_ok = _chunk_routes(seen, c0, count, BLOCK_T)
             acc = _expert_rows_product(w13_ptr, w13_sf_ptr, w13_ptr, w13_sf_ptr, w_rows, s_rows, col < I, 2 * e,
@@ -149,17 +164,20 @@ def _moe_decode_split_i_kernel(
             inter = gated_activation_f32(gate * dec13, up * dec13, ACTIVATION).to(DT)
             coef = dec2 * tl.load(tw_ptr + route, mask=r_ok, other=0.0)
             tok_rows = sums + (route // top_k).to(tl.int64) * H
-            for h0 in tl.range(0, H, BLOCK_H, num_stages=H_STAGES):
+            w_next, s_next = _load_tile(w2_ptr, w2_sf_ptr, w2_ptr, w2_sf_ptr, w_rows2, s_rows2, offs_h < H, 0, 0,
+                                        pid_n * BLOCK_N, I, BLOCK_H, BLOCK_N, False, EVICT_FIRST, EVEN_I)
+            for h0 in range(0, H, BLOCK_H):
+                w, s = w_next, s_next
                 hs = h0 + offs_h
-                h_ok = hs < H
-                hs64 = hs.to(tl.int64)
-                w, s = _load_tile(w2_ptr, w2_sf_ptr, w2_ptr, w2_sf_ptr, e64 * stride_w2e + hs64 * stride_w2n,
-                                  e64 * stride_s2e + hs64 * stride_s2n, h_ok, 0, 0, pid_n * BLOCK_N, I, BLOCK_H,
-                                  BLOCK_N, False, EVICT_FIRST, EVEN_I)
+                # the next step's loads first (rows past H masked: no traffic)
+                h1 = h0 + BLOCK_H
+                w_next, s_next = _load_tile(w2_ptr, w2_sf_ptr, w2_ptr, w2_sf_ptr, w_rows2 + h1 * stride_w2n,
+                                            s_rows2 + h1 * stride_s2n, hs + BLOCK_H < H, 0, 0, pid_n * BLOCK_N, I,
+                                            BLOCK_H, BLOCK_N, False, EVICT_FIRST, EVEN_I)
                 y = _tile_product(w, s, inter, tl.zeros((BLOCK_H, BLOCK_T), dtype=tl.float32), BLOCK_H, BLOCK_N,
                                   DT, True, FAST_DECODE, False)
                 tl.atomic_add(tok_rows[None, :] + hs[:, None], y * coef[None, :],
-                              mask=h_ok[:, None] & r_ok[None, :], sem="relaxed")
+                              mask=(hs < H)[:, None] & r_ok[None, :], sem="relaxed")
     tl.debug_barrier()  # every thread's adds before the release of the count
     done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
     if done == tl.num_programs(0) * num_n - 1:  # the last program: every other program's adds are visible
@@ -185,18 +203,17 @@ MOE_DECODE_SPLIT_I_SIGNATURE = {
                           "stride_om")},
     **{k: "constexpr" for k in ("ACTIVATION", "HAS_MAP", "BY_EXPERT", "S_BLOCK", "FAST_DECODE", "EVEN_H", "EVEN_I",
                                 "BLOCK_N", "BLOCK_K", "BLOCK_T", "STAGES", "SHIFT", "K_WARPS", "EVICT_FIRST",
-                                "BLOCK_H", "H_STAGES", "COPIES")},
+                                "BLOCK_H", "COPIES", "PREFETCH")},
 }
 MOE_DECODE_SPLIT_I_DIVISIBLE = _divisible(MOE_DECODE_SPLIT_I_SIGNATURE) + [
     k for k in ("stride_w13e", "stride_w13n", "stride_s13e", "stride_s13n", "stride_w2e", "stride_w2n",
                 "stride_s2e", "stride_s2n") if k not in _divisible(MOE_DECODE_SPLIT_I_SIGNATURE)]
 
 
-def _tile_constexprs(gate_up_tile: DecodeTile, down: SplitIDown, shift: bool) -> dict:
+def _tile_constexprs(gate_up_tile: DecodeTile, down: SplitIDown, shift: bool, prefetch: bool) -> dict:
     t = gate_up_tile
     return dict(BLOCK_N=t.block_n, BLOCK_K=t.block_k, BLOCK_T=t.block_t, STAGES=t.num_stages, SHIFT=shift,
-                K_WARPS=t.k_warps, EVICT_FIRST=t.evict_first, BLOCK_H=down.block_h, H_STAGES=down.num_stages,
-                COPIES=down.copies)
+                K_WARPS=t.k_warps, EVICT_FIRST=t.evict_first, BLOCK_H=down.block_h, COPIES=down.copies, PREFETCH=prefetch)
 
 
 def compile_constexprs(gate_up_tile: DecodeTile, down: SplitIDown, *, fast_decode: int = DECODE_PTX,
@@ -204,7 +221,8 @@ def compile_constexprs(gate_up_tile: DecodeTile, down: SplitIDown, *, fast_decod
     """The kernel's constexprs (the compile harness; the launcher derives the same)."""
     return dict(ACTIVATION=activation, HAS_MAP=False, BY_EXPERT=by_expert, S_BLOCK=s_block, FAST_DECODE=fast_decode,
                 EVEN_H=True, EVEN_I=True,
-                **_tile_constexprs(gate_up_tile, down, gate_up_tile.shift_decode and fast_decode != DECODE_CVT))
+                **_tile_constexprs(gate_up_tile, down, gate_up_tile.shift_decode and fast_decode != DECODE_CVT,
+                                   down.prefetch))
 
 
 def moe_decode_split_i(
@@ -280,7 +298,7 @@ def prepare_moe_decode_split_i(t: int, h: int, i: int, e: int, top_k: int, globa
         stride_w2n=s2w[1], stride_s2e=s2s[0], stride_s2n=s2s[1], stride_om=stride_o, ACTIVATION=activation,
         HAS_MAP=has_map, BY_EXPERT=rows < s, S_BLOCK=route_block(s), FAST_DECODE=fast,
         EVEN_H=h % gate_up_tile.block_k == 0, EVEN_I=i % gate_up_tile.block_n == 0,
-        **_tile_constexprs(gate_up_tile, down, sh), **launch_kw,
+        **_tile_constexprs(gate_up_tile, down, sh, down.prefetch and fast != DECODE_TL), **launch_kw,
     ))
 
     def run(x, w13_codes, w13_sf, w13_dec, w2_codes, w2_sf, w2_dec, topk_ids, emap, topk_weights, sums, count,
