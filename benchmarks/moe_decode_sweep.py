@@ -291,8 +291,9 @@ for _name in ("gu-n16k256-kw4-st3-shift", "gu-n16k128-w2-st3", "gu-n32k128-w2-st
 # whose gate_up part is the paired gate_up tile (--pairs only).  Each program multiplies its intermediate columns
 # by the [H, block_n] slice of its expert's down weights and adds the products into the token's fp32 sums
 # ("-cN": N copies of the sums, fewer adds to one address).  The T = 1 row's tile capped at 128 registers (4
-# programs of 4 warps per SM, as the gate_up kernel alone; no stack with 64-row down steps on sm_90 and sm_120),
-# and 32 columns per program (half the programs and half the adds per sum) at 168.
+# programs of 4 warps per SM, as the gate_up kernel alone; no stack with 64-row down steps on sm_90 and sm_120 without
+# a map, 8-48 bytes on sm_120 with an expert map or gelu), and 32 columns per program (half the programs and half the
+# adds per sum) at 168.
 GATE_UP["gu-n16k256-kw4-st3-shift-r128"] = replace(GATE_UP["gu-n16k256-kw4-st3-shift"], max_regs=128)
 GATE_UP["gu-n32k256-kw4-st2-shift-r168"] = DecodeTile(32, 256, 16, num_warps=4, num_stages=2, use_dot=True,
                                                       k_warps=4, shift_decode=True, max_regs=168)
