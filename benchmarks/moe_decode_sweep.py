@@ -46,13 +46,6 @@ from vllm_nvfp4_sm120.kernels.moe_decode import (  # noqa: E402
 )
 from vllm_nvfp4_sm120.kernels.gluon_moe_decode import MoeStreamTile, down_workspace_numel, moe_stream_down  # noqa: E402
 from vllm_nvfp4_sm120.kernels.moe_decode_fused import check_fused_tiles, fused_workspace, moe_decode_fused  # noqa: E402
-from vllm_nvfp4_sm120.kernels.moe_decode_split_i import (  # noqa: E402
-    MAX_TOKENS as SPLIT_I_MAX_TOKENS,
-    SplitIDown,
-    check_split_i_tiles,
-    moe_decode_split_i,
-    split_i_workspace,
-)
 from vllm_nvfp4_sm120.bench import xor_words  # noqa: E402
 
 SHAPES = {  # name: (H, I, E, top_k)
@@ -287,16 +280,6 @@ FUSED_PAIRS = {
 # every shape at T = 1-16 (docs/benchmarks.md); kept for an sm_120 run.
 for _name in ("gu-n16k256-kw4-st3-shift", "gu-n16k128-w2-st3", "gu-n32k128-w2-st3-shift", "gu-n32k128-w1-st3-shift"):
     GATE_UP[_name + "-pfd"] = replace(GATE_UP[_name], prefetch_down=True)
-# One launch with the down split over I (kernels/moe_decode_split_i.py): "spl-*" is the down part of the programs
-# whose gate_up part is the paired gate_up tile (--pairs only).  Each program multiplies its intermediate columns
-# by the [H, block_n] slice of its expert's down weights and adds the products into the token's fp32 sums
-# ("-cN": N copies of the sums, fewer adds to one address).  The T = 1 row's tile capped at 128 registers (4
-# programs of 4 warps per SM, as the gate_up kernel alone; no stack with 64-row down steps on sm_90 and sm_120 without
-# a map, 8-48 bytes on sm_120 with an expert map or gelu), and 32 columns per program (half the programs and half the
-# adds per sum) at 168.
-GATE_UP["gu-n16k256-kw4-st3-shift-r128"] = replace(GATE_UP["gu-n16k256-kw4-st3-shift"], max_regs=128)
-GATE_UP["gu-n32k256-kw4-st2-shift-r168"] = DecodeTile(32, 256, 16, num_warps=4, num_stages=2, use_dot=True,
-                                                      k_warps=4, shift_decode=True, max_regs=168)
 ANY_GATE_UP = GATE_UP | STREAM_GATE_UP  # after every GATE_UP entry above
 # The streaming Gluon down (the same kernel's down mode: routing weight and top-k sum by fp32 atomics into a
 # workspace the gate_up kernel zeroes, the last of a token's experts casting its row tile; T <= block_t only).
@@ -328,17 +311,7 @@ for _name in ("dns-m32t8-lc", "dns-m64t8-rw2-lc"):
 for _name in ("dns-m32t8-lc", "dns-m64t8-rw2-lc"):
     _kind, _det, _tile = STREAM_DOWN[_name]
     STREAM_DOWN[f"{_name}-ov"] = (_kind, _det, replace(_tile, overlap_runs=True, max_regs=168, ctas_per_sm=3))
-# ("-pf": the program's down slice asked of L2 first, so its H loop, 2048-7168 rows in short steps, reads L2.)
-SPLIT_I_DOWN = {
-    "spl-h64": ("split_i", False, SplitIDown(64, 1)),
-    "spl-h64-pf": ("split_i", False, SplitIDown(64, 1, prefetch=True)),
-    "spl-h128": ("split_i", False, SplitIDown(128, 1)),
-    "spl-h128-c4": ("split_i", False, SplitIDown(128, 4)),
-    "spl-h128-pf": ("split_i", False, SplitIDown(128, 1, prefetch=True)),
-    "spl-h256-pf": ("split_i", False, SplitIDown(256, 1, prefetch=True)),
-    "spl-h128-pf-c4": ("split_i", False, SplitIDown(128, 4, prefetch=True)),
-}
-ANY_DOWN = DOWN | STREAM_DOWN | SPLIT_I_DOWN  # after every DOWN entry above
+ANY_DOWN = DOWN | STREAM_DOWN  # after every DOWN entry above
 # What a run sweeps without --gate-up / --down (about ten kernel tiles: each compiles once per routing bucket, and
 # the compiles are most of the ~4 minutes); the others are there for a focused second run.
 DEFAULT_GATE_UP = ("gu-n16k256-w2-tma", "gu-n16k512-w2-tma", "gu-n8k256-w1-tma", "gu-n32k256-w4-tma",
@@ -355,8 +328,6 @@ def candidate_ok(tile, k: int, t: int | None = None) -> bool:
     call of ``t`` tokens (the streaming gate_up takes at most ``block_t``)."""
     if isinstance(tile, MoeStreamTile):
         return t is None or t <= tile.block_t
-    if isinstance(tile, SplitIDown):
-        return t is None or t <= SPLIT_I_MAX_TOKENS
     return not tile.use_tma or tma_ok(k)
 
 
@@ -496,8 +467,8 @@ def sweep(args) -> dict:
     down_names = args.down.split(",") if args.down else list(DEFAULT_DOWN)
     if args.gate_up == "all":
         gate_names = list(ANY_GATE_UP)
-    if args.down == "all":  # the one-launch kernels' down parts are timed in --pairs only
-        down_names = [n for n, d in ANY_DOWN.items() if d[0] not in ("fused", "split_i")]
+    if args.down == "all":  # the fused kernel's down items are timed in --pairs only
+        down_names = [n for n, d in ANY_DOWN.items() if d[0] != "fused"]
     pairs = [tuple(pair.split("+")) for pair in args.pairs.split(",")] if args.pairs else []
     for pair in pairs:
         if len(pair) != 2 or pair[0] not in ANY_GATE_UP or pair[1] not in ANY_DOWN:
@@ -509,14 +480,9 @@ def sweep(args) -> dict:
                 check_fused_tiles(GATE_UP[pair[0]], DOWN[pair[1]][2])
             except ValueError as exc:
                 raise SystemExit(f"--pairs {'+'.join(pair)}: {exc}") from None
-        if ANY_DOWN[pair[1]][0] == "split_i":
-            try:
-                check_split_i_tiles(ANY_GATE_UP[pair[0]], ANY_DOWN[pair[1]][2])
-            except ValueError as exc:
-                raise SystemExit(f"--pairs {'+'.join(pair)}: {exc}") from None
-    fused = [n for n in down_names if ANY_DOWN.get(n, ("",))[0] in ("fused", "split_i")]
+    fused = [n for n in down_names if n in DOWN and DOWN[n][0] == "fused"]
     if fused:
-        raise SystemExit(f"--down: {fused} are the one-launch kernels' down parts: time them in --pairs")
+        raise SystemExit(f"--down: {fused} are the fused kernel's down items: time them in --pairs")
     if pairs and not args.gate_up and not args.down:  # only the pairs: no tile timed alone
         gate_names, down_names = [], []
     rows = []
@@ -564,7 +530,7 @@ def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_re
            "floor_us": floor_us, "dram_read_tbs": clock.read_tbs, "copies": copies, "gate_up_us": {}, "down_us": {},
            "errors": {}, "failed": [], "pairs_us": {}}
 
-    controls = {}  # the one-launch kernels' control blocks per down: zero before the first call, left zero
+    controls = {}  # the fused kernel's control block per down tile: zero before the first call, left zero
 
     def layer(gname, dname, c, out=None):
         (c13, s13, d13), (c2, s2, d2) = banks[c]
@@ -575,11 +541,6 @@ def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_re
                 controls[dname] = fused_workspace(t, k, e, h, dtile, device)
             return moe_decode_fused(x, c13, s13, d13, c2, s2, d2, tw, ti, gate_up_tile=GATE_UP[gname],
                                     down_tile=dtile, control=controls[dname], out=out)
-        if kind == "split_i":
-            if dname not in controls:
-                controls[dname] = split_i_workspace(t, h, dtile, device)
-            return moe_decode_split_i(x, c13, s13, d13, c2, s2, d2, tw, ti, gate_up_tile=GATE_UP[gname], down=dtile,
-                                      workspace=controls[dname], out=out)
         return moe_decode(x, c13, s13, d13, c2, s2, d2, tw, ti, gate_up_tile=ANY_GATE_UP[gname], down_tile=dtile,
                           down=kind, deterministic=det, out=out)
 

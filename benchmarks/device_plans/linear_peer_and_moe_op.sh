@@ -24,20 +24,23 @@ for r in json.load(open(sys.argv[1]))["rows"]:
 PY
 }
 if on warm; then
-  timeout ${WARM_S:-240} python3 - <<'PY'
+  # (from a file: spawned workers import the main module, which a script on stdin is not; device run 94)
+  cat > /tmp/gemlite_warm.py <<'PY'
 import multiprocessing as mp, sys, time
 sys.path.insert(0, "benchmarks")
 import linear_decode_sweep as sweep
 from vllm_nvfp4_sm120.bench import MODELS
-shapes = [(n, k) for layers in MODELS.values() for _, n, k in layers]
-t0, ctx = time.time(), mp.get_context("spawn")
-procs = [ctx.Process(target=sweep._probe_gemlite, args=([s], [1, 2, 4, 8, 16], "default")) for s in shapes]
-for p in procs:
-    p.start()
-for p in procs:
-    p.join()
-print("gemlite warm:", [p.exitcode for p in procs], f"{time.time() - t0:.0f} s", flush=True)
+if __name__ == "__main__":  # (the spawned workers import this file too)
+    shapes = [(n, k) for layers in MODELS.values() for _, n, k in layers]
+    t0, ctx = time.time(), mp.get_context("spawn")
+    procs = [ctx.Process(target=sweep._probe_gemlite, args=([s], [1, 2, 4, 8, 16], "default")) for s in shapes]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    print("gemlite warm:", [p.exitcode for p in procs], f"{time.time() - t0:.0f} s", flush=True)
 PY
+  timeout ${WARM_S:-240} python3 /tmp/gemlite_warm.py
 fi
 on lin && timeout ${LIN_S:-400} python3 -m vllm_nvfp4_sm120.bench linear --models qwen3-32b,llama-3.3-70b \
   --tokens 1,2,4,8,16 --kernels dispatch,cublas-bf16 --peers gemlite --min-bytes 1e9 --json $OUT/linear_peers.json
