@@ -467,8 +467,8 @@ def sweep(args) -> dict:
     down_names = args.down.split(",") if args.down else list(DEFAULT_DOWN)
     if args.gate_up == "all":
         gate_names = list(ANY_GATE_UP)
-    if args.down == "all":  # the fused kernel's down items are timed in --pairs only
-        down_names = [n for n, d in ANY_DOWN.items() if d[0] != "fused"]
+    if args.down == "all":
+        down_names = list(ANY_DOWN)
     pairs = [tuple(pair.split("+")) for pair in args.pairs.split(",")] if args.pairs else []
     for pair in pairs:
         if len(pair) != 2 or pair[0] not in ANY_GATE_UP or pair[1] not in ANY_DOWN:
