@@ -48,7 +48,13 @@ from vllm_nvfp4_sm120.dispatch.gemv_stream_plan import stream_plan, wave_ctas  #
 from vllm_nvfp4_sm120.format import linear_w4a16_ref, random_nvfp4, unit_values  # noqa: E402
 from vllm_nvfp4_sm120.kernels import gluon_gemv  # noqa: E402
 from vllm_nvfp4_sm120.kernels import gluon_gemv_stream as gs  # noqa: E402
-from vllm_nvfp4_sm120.peers import check_gemlite, gemlite_config, gemlite_factory, gemlite_split_k_ref  # noqa: E402
+from vllm_nvfp4_sm120.peers import (  # noqa: E402
+    check_gemlite,
+    gemlite_config,
+    gemlite_copies,
+    gemlite_factory,
+    gemlite_split_k_ref,
+)
 
 TOKENS = (1, 2, 4, 8, 16)
 # (rows, words of 4 bytes, pipeline stages, programs per SM before the K split rounds): the TMA read ceiling's grid
@@ -337,9 +343,7 @@ def sweep(args) -> dict:
                     rows.append(_row(model, layer, n, k, t, "cublas-bf16", sec, 2 * n * k, dram, None))
             if gemlite_build is not None:
                 if gem_layers is None:
-                    first = gemlite_build(*ws[0], dec_rows, dtype=torch.bfloat16)
-                    gem_layers = first if isinstance(first, str) else [first] + [
-                        gemlite_build(c, s, dec_rows, dtype=torch.bfloat16) for c, s in ws[1:]]
+                    gem_layers = gemlite_copies(gemlite_build, ws, dec_rows, dtype=torch.bfloat16)
                 if isinstance(gem_layers, str):
                     print(f"# gemlite: {gem_layers}", flush=True)
                 else:

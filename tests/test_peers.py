@@ -312,3 +312,17 @@ def test_check_gemlite_refuses_a_wrong_weight_or_shape(gen, fake_gemlite_kernel)
 def test_gemlite_allowance_is_split_k_plus_one_bf16_steps_of_the_largest_output():
     want = torch.tensor([[0.5, -3.0], [1.0, 2.0]], dtype=torch.bfloat16)
     assert peers.gemlite_allowance(want, 2) == 3 * 3.0 * 2.0**-8
+
+
+def test_gemlite_copies_builds_the_rest_only_after_the_first():
+    calls = []
+
+    def build(codes, scales, gs, *, dtype):
+        calls.append(codes)
+        return "no NVFP4 layer here" if codes == "bad" else (codes, scales, gs, dtype)
+
+    layers = peers.gemlite_copies(build, [("a", 1), ("b", 2), ("c", 3)], 0.5, dtype=torch.bfloat16)
+    assert layers == [(c, s, 0.5, torch.bfloat16) for c, s in (("a", 1), ("b", 2), ("c", 3))]
+    calls.clear()
+    assert peers.gemlite_copies(build, [("bad", 1), ("b", 2)], 0.5, dtype=torch.bfloat16) == "no NVFP4 layer here"
+    assert calls == ["bad"]  # the reason comes from the first copy; no other copy is built

@@ -26,7 +26,7 @@ import torch
 import triton
 
 from .format import GlobalScale, NvFp4, linear_w4a16_ref, random_nvfp4, unit_values
-from .peers import GEMLITE_AUTOTUNE, PEERS, check_gemlite, gemlite_factory
+from .peers import GEMLITE_AUTOTUNE, PEERS, check_gemlite, gemlite_copies, gemlite_factory
 
 MODELS = {  # (name, N, K) of the linears of one decoder layer, unsharded
     "qwen3-32b": [("qkv", 10240, 5120), ("o", 5120, 8192), ("gate_up", 51200, 5120), ("down", 5120, 25600)],
@@ -205,10 +205,9 @@ def bench_linear(models: list[str], tokens: list[int], min_bytes: int, kernels: 
                         w_bf16 = [wb] + [wb.clone() for _ in range(_copies(2 * n * k, min_bytes) - 1)]
                     candidates["cublas-bf16 (dequantized weight)"] = lambda: [x @ w.t() for w in w_bf16]
                 if gemlite is not None and not isinstance(gem_layers, str):
-                    if gem_layers is None:  # the other copies only once the first one is taken
-                        first = gemlite(base.codes, base.scales, dec_rows, dtype=x.dtype)
-                        gem_layers = first if isinstance(first, str) else [first] + [
-                            gemlite(w.codes, w.scales, dec_rows, dtype=x.dtype) for w in ws[1:]]
+                    if gem_layers is None:
+                        gem_layers = gemlite_copies(gemlite, [(w.codes, w.scales) for w in ws], dec_rows,
+                                                    dtype=x.dtype)
                         if isinstance(gem_layers, str):
                             print(f"# gemlite {model}/{layer}: not timed: {gem_layers}", flush=True)
                     if not isinstance(gem_layers, str):

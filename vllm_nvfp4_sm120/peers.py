@@ -83,6 +83,17 @@ def gemlite_factory(autotune: str = "default") -> tuple[Callable | None, str | N
     return (None, reason) if reason else (gemlite_nvfp4_linear, None)
 
 
+def gemlite_copies(build: Callable, weights: list[tuple[torch.Tensor, torch.Tensor]], weight_gs, *,
+                   dtype: torch.dtype) -> list[Callable] | str:
+    """gemlite's layer (``build``, :func:`gemlite_nvfp4_linear`) on each ``(codes, scales)`` of ``weights`` (the
+    benchmarks' copies beyond L2), or the first build's reason string: the other copies are built only once the
+    first is taken."""
+    first = build(*weights[0], weight_gs, dtype=dtype)
+    if isinstance(first, str):
+        return first
+    return [first] + [build(codes, scales, weight_gs, dtype=dtype) for codes, scales in weights[1:]]
+
+
 def gemlite_config() -> tuple[int, int]:
     """``(SPLIT_K, BLOCK_SIZE_K)`` of gemlite's NVFP4 kernel (``gemm_splitK_MX_kernel``, what it runs for M < 64)
     in its last call: what its output's rounding depends on."""
