@@ -452,6 +452,17 @@ def _today():
     return nvfp4_moe
 
 
+def candidate_names(gate_up: str, down: str) -> tuple[list[str], list[str]]:
+    """The tiles ``--gate-up`` / ``--down`` time alone: the names given, the defaults when empty, or ``all``.  The
+    fused kernel's down items have no kernel of their own, so ``all`` leaves them to ``--pairs``."""
+    gate_names = list(ANY_GATE_UP) if gate_up == "all" else gate_up.split(",") if gate_up else list(DEFAULT_GATE_UP)
+    if down == "all":
+        down_names = [n for n, (kind, _det, _tile) in ANY_DOWN.items() if kind != "fused"]
+    else:
+        down_names = down.split(",") if down else list(DEFAULT_DOWN)
+    return gate_names, down_names
+
+
 def sweep(args) -> dict:
     from vllm_nvfp4_sm120.format import NvFp4, moe_ref
 
@@ -463,12 +474,7 @@ def sweep(args) -> dict:
     nvfp4_moe = None if args.no_baseline else _today()
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
     print(f"# {name}  torch {torch.__version__}  DRAM read {bw:.2f} TB/s  empty launches {empty}", flush=True)
-    gate_names = args.gate_up.split(",") if args.gate_up else list(DEFAULT_GATE_UP)
-    down_names = args.down.split(",") if args.down else list(DEFAULT_DOWN)
-    if args.gate_up == "all":
-        gate_names = list(ANY_GATE_UP)
-    if args.down == "all":
-        down_names = list(ANY_DOWN)
+    gate_names, down_names = candidate_names(args.gate_up, args.down)
     pairs = [tuple(pair.split("+")) for pair in args.pairs.split(",")] if args.pairs else []
     for pair in pairs:
         if len(pair) != 2 or pair[0] not in ANY_GATE_UP or pair[1] not in ANY_DOWN:
@@ -668,7 +674,8 @@ def main(argv=None):
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--gate-up", default="", help=f"'all' or names of {list(ANY_GATE_UP)} (default {DEFAULT_GATE_UP})")
-    p.add_argument("--down", default="", help=f"'all' or names of {list(DOWN)} (default {DEFAULT_DOWN})")
+    p.add_argument("--down", default="", help=f"'all' (every down but the fused items) or names of {list(ANY_DOWN)} "
+                                              f"(default {DEFAULT_DOWN})")
     p.add_argument("--pairs", default="", help="GATE_UP+DOWN names, comma-separated: each timed as a whole layer "
                                                "(alone unless --gate-up / --down are given too)")
     p.add_argument("--min-bytes", type=float, default=4e8, help="bytes the bank copies of one graph must touch")

@@ -1072,6 +1072,18 @@ def test_sweep_read_ceiling(tmp_path, gen):
     assert got2 == got ^ (0x80 << 24)
 
 
+def test_sweep_candidate_names():
+    # "all" times every tile that has a kernel of its own: the fused kernel's down items only run in --pairs, and
+    # sweep() refuses them in --down, so "all" must leave them out (it used to end the run there).
+    gate, down = SWEEP.candidate_names("all", "all")
+    assert gate == list(SWEEP.ANY_GATE_UP)
+    assert down and all(SWEEP.ANY_DOWN[n][0] != "fused" for n in down)
+    assert set(down) | {n for n, v in SWEEP.DOWN.items() if v[0] == "fused"} == set(SWEEP.ANY_DOWN)
+    assert set(SWEEP.STREAM_DOWN) <= set(down)
+    assert SWEEP.candidate_names("", "") == (list(SWEEP.DEFAULT_GATE_UP), list(SWEEP.DEFAULT_DOWN))
+    assert SWEEP.candidate_names("a,b", "c") == (["a", "b"], ["c"])
+
+
 def test_sweep_script_times_pairs(tmp_path):
     # --pairs alone: each pair checked and timed as a whole layer, no tile timed alone (a programmatic dependent
     # down kernel shows its gain only after its gate_up kernel).
