@@ -12,7 +12,8 @@ Candidates (``--candidates`` keeps those whose name contains one of the given su
   stream-plan         the streaming kernel with dispatch.gemv_stream_plan's tile and grid (the proposal)
   stream-<tile>...    every other tile of STREAM_TILES for that token block (``-32x8w4r1c128``: rows x tokens,
                       warps, row warps, register cap; ``...ov``: the runs overlapped), each on its one-wave grid;
-                      the planned tile on half and twice that grid; the lop3/prmt decode (``-table``)
+                      the planned tile on half and twice that grid; the lop3/prmt decode (``-table``);
+                      ``...-spill``: SPILL_PROBE_TILES, more CTAs per SM at caps that spill outside the loop
   stream-2x8          T > 8 as two 8-token tiles (two passes over the weight in one launch)
   gluon-today         gluon_gemv.gemv_fma / gemv_mma with the tile the dispatch routes today
   cublas-bf16         x @ W^T on the dequantized bf16 weight
@@ -44,7 +45,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vllm_nvfp4_sm120.bench import MODELS, dram_read_tbs, time_graph, xor_words  # noqa: E402
-from vllm_nvfp4_sm120.dispatch.gemv_stream_plan import stream_plan, wave_ctas  # noqa: E402
+from vllm_nvfp4_sm120.dispatch.gemv_stream_plan import ctas_per_sm, stream_plan, wave_ctas  # noqa: E402
 from vllm_nvfp4_sm120.format import linear_w4a16_ref, random_nvfp4, unit_values  # noqa: E402
 from vllm_nvfp4_sm120.kernels import gluon_gemv  # noqa: E402
 from vllm_nvfp4_sm120.kernels import gluon_gemv_stream as gs  # noqa: E402
@@ -147,6 +148,15 @@ def read_only_expected(codes, scales, block_m=32) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # Candidates: each a (name, spec); specs are plain tuples so the compile workers can rebuild them
 # ---------------------------------------------------------------------------------------------------------------
+# Sweep-only tiles below the caps that compile without spilling (the main loop keeps its instructions per code
+# word; the spills are stack stores of values live across the loop): 5-8 CTAs of 4 warps per SM at T <= 8 instead of
+# the listed tiles' 4-5, 4 at T = 16 instead of 3.
+SPILL_PROBE_TILES = (
+    gs.StreamTile(32, 8, max_regs=96), gs.StreamTile(32, 8, max_regs=80), gs.StreamTile(16, 8, max_regs=72),
+    gs.StreamTile(16, 8, max_regs=64), gs.StreamTile(32, 16, max_regs=128),
+)
+
+
 def stream_specs(t: int, sm: int, cc_major: int) -> list[tuple[str, tuple]]:
     plan = stream_plan(t, 0, 0, sm, cc_major)
     shift = gs.DECODE_SHIFT if cc_major < 10 else gs.DECODE_CVT
@@ -158,6 +168,13 @@ def stream_specs(t: int, sm: int, cc_major: int) -> list[tuple[str, tuple]]:
     for tile in gs.STREAM_TILES:
         if tile != plan.tile and tile.block_t == (8 if t <= 8 else 16):
             out.append((stream_name(tile), ("stream", tile, wave_ctas(tile, t, sm, cc_major), shift)))
+    # more CTAs per SM than any listed tile, at register caps that spill a few values outside the main loop (the
+    # compile proof refuses them for the table): do more warps per SM pay for themselves at all?
+    for tile in SPILL_PROBE_TILES:
+        if tile.block_t == (8 if t <= 8 else 16):
+            tiles_t = -(-t // tile.block_t)
+            ctas = max(1, ctas_per_sm(tile.max_regs, tile.num_warps) * sm // tiles_t)
+            out.append((stream_name(tile) + "-spill", ("stream", tile, ctas, shift)))
     # grid sensitivity (half and twice the one-wave grid) and the table decode, on the planned tile
     out.append(("stream-plan-half-grid", ("stream", plan.tile, max(1, plan.ctas // 2), shift)))
     out.append(("stream-plan-2waves", ("stream", plan.tile, 2 * plan.ctas, shift)))
