@@ -6,8 +6,8 @@
 source .carry/env.sh
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-timeout ${SWEEP_S:-330} python3 benchmarks/linear_decode_sweep.py --out $OUT --t 1,2,8,16 \
+timeout ${SWEEP_S:-300} python3 benchmarks/linear_decode_sweep.py --out $OUT --t 1,2,8,16 \
   --candidates stream-plan,spill,c96 --min-bytes 1e9 --repeats 10 > $OUT/sweep.log 2>&1
 echo "sweep rc $?"
-STALL_S=${STALL_S:-200} bash benchmarks/device_plans/stall_profile.sh > $OUT/stall.log 2>&1
+STALL_S=${STALL_S:-170} bash benchmarks/device_plans/stall_profile.sh > $OUT/stall.log 2>&1
 echo "stall rc $?"
