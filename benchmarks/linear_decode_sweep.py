@@ -13,7 +13,8 @@ Candidates (``--candidates`` keeps those whose name contains one of the given su
   stream-<tile>...    every other tile of STREAM_TILES for that token block (``-32x8w4r1c128``: rows x tokens,
                       warps, row warps, register cap; ``...ov``: the runs overlapped), each on its one-wave grid;
                       the planned tile on half and twice that grid; the lop3/prmt decode (``-table``);
-                      ``...-spill``: SPILL_PROBE_TILES, more CTAs per SM at caps that spill outside the loop
+                      ``...-spill``: SPILL_PROBE_TILES, more CTAs per SM at caps that spill outside the loop;
+                      ``...pf2``: two steps loaded ahead
   stream-2x8          T > 8 as two 8-token tiles (two passes over the weight in one launch)
   gluon-today         gluon_gemv.gemv_fma / gemv_mma with the tile the dispatch routes today
   cublas-bf16         x @ W^T on the dequantized bf16 weight
@@ -186,10 +187,11 @@ def stream_specs(t: int, sm: int, cc_major: int) -> list[tuple[str, tuple]]:
 
 def stream_name(tile) -> str:
     """``stream-32x8w4r1`` (rows x tokens, warps, row warps), ``...c128`` with a register cap, ``...ov`` with the
-    runs overlapped."""
+    runs overlapped, ``...pf2`` with two steps loaded ahead."""
     cap = f"c{tile.max_regs}" if tile.max_regs else ""
     ov = "ov" if tile.overlap_runs else ""
-    return f"stream-{tile.block_m}x{tile.block_t}w{tile.num_warps}r{tile.row_warps}{cap}{ov}"
+    pf = f"pf{tile.prefetch}" if tile.prefetch != 1 else ""
+    return f"stream-{tile.block_m}x{tile.block_t}w{tile.num_warps}r{tile.row_warps}{cap}{ov}{pf}"
 
 
 def gluon_today_spec(t, n, k, sm, cc_major):

@@ -468,6 +468,18 @@ def test_overlap_runs_is_a_compile_time_argument_and_a_plan_parameter_only_where
     assert ov.launch_options == plain.launch_options
 
 
+def test_prefetch_is_a_compile_time_argument_and_a_plan_parameter_only_where_deep():
+    plain = gs.StreamTile(32, 8, max_regs=168)
+    deep = replace(plain, prefetch=2)
+    assert "prefetch" not in plain.params() and deep.params()["prefetch"] == 2
+    assert gs.StreamTile(**deep.params()) == deep
+    assert plain.constexprs["PREFETCH"] == 1 and deep.constexprs["PREFETCH"] == 2
+    with pytest.raises(ValueError, match="prefetch"):
+        gs.StreamTile(32, 8, prefetch=3)
+    with pytest.raises(ValueError, match="prefetch"):  # the overlapped runs hand the loop one loaded step only
+        gs.StreamTile(32, 8, overlap_runs=True, prefetch=2)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # 4. Launcher checks (no launch on CPU: they fail or return before it)
 # ------------------------------------------------------------------------------------------------------------
@@ -522,8 +534,9 @@ def compile_stream(tile, arch=120, decode=gs.DECODE_CVT, dtype="bf16", even_k=Tr
 
 
 def words_per_iteration(tile) -> int:
-    """Code words one lane decodes per main-loop iteration: 2 steps x (rows per lane) x 4 words."""
-    return 2 * (tile.block_m // tile.row_warps // 8) * 4
+    """Code words one lane decodes per main-loop iteration: (prefetch + 1) steps (the loop is unrolled by its number
+    of register buffers) x (rows per lane) x 4 words."""
+    return (tile.prefetch + 1) * (tile.block_m // tile.row_warps // 8) * 4
 
 
 @pytest.mark.compile
@@ -610,6 +623,26 @@ def test_overlapped_runs_keep_the_loop_and_the_cap(tile, arch, decode):
     assert ldg(ov) == ldg(plain) + loop.count(r"LDG.*") // 2  # the main loop is two steps
     assert ov.registers <= tile.max_regs
     print(ov.summary(), f"against {plain.registers} registers without")
+
+
+DEEP_TILES = [t for t in gs.STREAM_TILES if t.prefetch == 2]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch,decode", [(120, gs.DECODE_CVT), (90, gs.DECODE_SHIFT)])
+@pytest.mark.parametrize("tile", DEEP_TILES, ids=str)
+def test_deep_prefetch_keeps_the_step_and_three_buffers(tile, arch, decode):
+    """Two steps ahead: the main loop is three steps of the one-step tile's step (the same loads, decode and MMAs
+    per step), and the tile fits its cap without local memory."""
+    deep = compile_stream(tile, arch=arch, decode=decode).require_no_local().require_smem()
+    plain = compile_stream(replace(tile, prefetch=1), arch=arch, decode=decode)
+    loop, plain_loop = main_loop(deep.sass), main_loop(plain.sass)
+    for op in (r"HMMA.*", r"HMUL2.*", r"F2FP\.BF16\.E2M1.*", r"LDG\.E\.128", r"IMAD\.HI.*"):
+        assert 2 * loop.count(op) == 3 * plain_loop.count(op), (op, loop.ops, plain_loop.ops)
+    assert loop.count(r"HMMA.*") > 0
+    if tile.max_regs:
+        assert deep.registers <= tile.max_regs
+    print(deep.summary(), f"against {plain.registers} registers with one step ahead")
 
 
 @pytest.mark.compile
@@ -723,6 +756,23 @@ def test_gpu_overlapped_runs_change_no_bit(gen, tile, n, k):
             got = gs.gemv_stream(x, p.codes, p.scales, p.dec_rows, tile=tile, ctas=ctas)
             plain = gs.gemv_stream(x, p.codes, p.scales, p.dec_rows, tile=replace(tile, overlap_runs=False),
                                    ctas=ctas)
+            assert torch.equal(got, plain), (t, ctas)
+        torch.testing.assert_close(got, linear_w4a16_ref(x, p.codes, p.scales, p.dec_rows), rtol=1.6e-2, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", DEEP_TILES, ids=str)
+@pytest.mark.parametrize("n,k", SMALL + [(5120, 8192)])
+def test_gpu_deep_prefetch_changes_no_bit(gen, tile, n, k):
+    """Two steps ahead decodes the same steps in the same order: the bits of the one-step tile, on grids whose runs
+    have 1 to many steps (each remainder of the three-step loop)."""
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    p = make_linear(n, k, gen=gen).to("cuda")
+    for t in sorted({1, tile.block_t}):
+        x = torch.randn(t, k, generator=gen).to(torch.bfloat16).cuda()
+        for ctas in (1, 5, 7, 13, sm, 3 * sm):
+            got = gs.gemv_stream(x, p.codes, p.scales, p.dec_rows, tile=tile, ctas=ctas)
+            plain = gs.gemv_stream(x, p.codes, p.scales, p.dec_rows, tile=replace(tile, prefetch=1), ctas=ctas)
             assert torch.equal(got, plain), (t, ctas)
         torch.testing.assert_close(got, linear_w4a16_ref(x, p.codes, p.scales, p.dec_rows), rtol=1.6e-2, atol=1e-4)
 

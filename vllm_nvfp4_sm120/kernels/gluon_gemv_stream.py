@@ -173,12 +173,16 @@ class StreamTile:
     # Each run's first step loaded before the previous run's last step and its reduction: a CTA whose range crosses
     # a row tile keeps loads in flight across the boundary instead of waiting for the shared tile's count.
     overlap_runs: bool = False
+    # Steps a warp has loaded ahead of the one it decodes: 1 (two register buffers) or 2 (three; runs not overlapped).
+    prefetch: int = 1
 
     def __post_init__(self):
         if self.block_t not in (8, 16) or self.num_warps not in (2, 4, 8) or self.row_warps not in (1, 2, 4):
             raise ValueError(f"StreamTile: unsupported {self}")
         if self.num_warps % self.row_warps or self.block_m not in tuple(r * self.row_warps for r in (16, 32, 64)):
             raise ValueError(f"StreamTile: {self}: needs 16, 32 or 64 rows per row warp and row_warps | num_warps")
+        if self.prefetch not in (1, 2) or (self.prefetch == 2 and self.overlap_runs):
+            raise ValueError(f"StreamTile: {self}: prefetch is 1 or 2, and 2 only without overlapped runs")
         register_cap_option("StreamTile", self.max_regs)
 
     @property
@@ -193,13 +197,15 @@ class StreamTile:
             del out["max_regs"]
         if not out["overlap_runs"]:
             del out["overlap_runs"]
+        if out["prefetch"] == 1:
+            del out["prefetch"]
         return out
 
     @property
     def constexprs(self) -> dict:
         """The kernel's compile-time arguments this tile sets."""
         return dict(BLOCK_M=self.block_m, BLOCK_T=self.block_t, WARPS=self.num_warps, ROW_WARPS=self.row_warps,
-                    OVERLAP_RUNS=self.overlap_runs)
+                    OVERLAP_RUNS=self.overlap_runs, PREFETCH=self.prefetch)
 
     @property
     def launch_options(self) -> dict:
@@ -220,6 +226,11 @@ STREAM_TILES = (
     # The built-in plan's tiles with the runs overlapped, within the same caps (compile tests).
     StreamTile(32, 8, max_regs=128, overlap_runs=True), StreamTile(32, 16, max_regs=168, overlap_runs=True),
     StreamTile(16, 8, max_regs=96, overlap_runs=True),
+    # Two steps loaded ahead (three register buffers), within caps that compile without spilling: twice the code bytes
+    # in flight per warp, at 3 / 4 / 2 CTAs per SM (sm_90).  The one-step loop's stall samples put its waits at the
+    # first decode instruction of each word, i.e. on codes that arrive late.
+    StreamTile(32, 8, max_regs=168, prefetch=2), StreamTile(16, 8, max_regs=128, prefetch=2),
+    StreamTile(32, 16, prefetch=2),
 )
 
 
@@ -299,7 +310,7 @@ STREAM_SIGNATURE = {
     "stride_ot": "i32", "total_blocks": "i32", "slots_per_cta": "i32",
     "HAS_BIAS": "constexpr", "DECODE": "constexpr", "EVEN_K": "constexpr",
     "BLOCK_M": "constexpr", "BLOCK_T": "constexpr", "WARPS": "constexpr", "ROW_WARPS": "constexpr",
-    "OVERLAP_RUNS": "constexpr",
+    "OVERLAP_RUNS": "constexpr", "PREFETCH": "constexpr",
 }
 # What the JIT marks divisible by 16 on checkpoint shapes (K % 256 == 0: every row stride is; the code row
 # stride is in 32-bit words, K / 8).
@@ -411,7 +422,7 @@ if HAS_GLUON:
                      k_x, K, EVEN_K: gl.constexpr, DECODE: gl.constexpr, WARPS: gl.constexpr,
                      ROW_WARPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr, MMA: gl.constexpr,
                      W4: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, ACC_B: gl.constexpr,
-                     O2: gl.constexpr, ROW_POINTERS: gl.constexpr = False):
+                     O2: gl.constexpr, ROW_POINTERS: gl.constexpr = False, PREFETCH: gl.constexpr = 1):
         """One run: blocks ``kb0 .. kb_last`` of a row tile, ``last`` the index of its last step; returns the tile's
         fp32 products ``[BLOCK_M, BLOCK_T]`` in ``O2``, summed over the K warps.
 
@@ -423,6 +434,9 @@ if HAS_GLUON:
         one ``IMAD.WIDE`` of its block offset instead of a 32-bit add, a 64-bit widening and a 64-bit add (~2
         instructions per code word fewer on sm_120, ~1.3 on sm_90), for one more register per pointer.
 
+        ``PREFETCH``: how many steps ahead of the one it decodes a warp has loaded (1: two register buffers; 2:
+        three, see :func:`_run_steps_deep`).
+
         The run in three parts, which a caller that loads the next run's first step early calls one by one:
         :func:`_run_bases`, :func:`_run_first` (the first step's loads), :func:`_run_steps` (every step but the
         last, which it returns loaded) and :func:`_run_last`."""
@@ -430,9 +444,14 @@ if HAS_GLUON:
                                                                     ROW_POINTERS)
         words, sc, x = _run_first(w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0, kb_last, w_c, w_s, w_x,
                                   k_c, k_s, k_x, K, EVEN_K, ROW_WARPS)
-        acc, words, sc, x = _run_steps(words, sc, x, w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0, kb_last,
-                                       last, w_c, w_s, w_x, k_c, k_s, k_x, K, EVEN_K, DECODE, WARPS, ROW_WARPS,
-                                       BLOCK_M, BLOCK_T, MMA, W4, A_OP, B_OP)
+        if PREFETCH == 2:
+            acc, words, sc, x = _run_steps_deep(words, sc, x, w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0,
+                                                kb_last, last, w_c, w_s, w_x, k_c, k_s, k_x, K, EVEN_K, DECODE, WARPS,
+                                                ROW_WARPS, BLOCK_M, BLOCK_T, MMA, W4, A_OP, B_OP)
+        else:
+            acc, words, sc, x = _run_steps(words, sc, x, w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0,
+                                           kb_last, last, w_c, w_s, w_x, k_c, k_s, k_x, K, EVEN_K, DECODE, WARPS,
+                                           ROW_WARPS, BLOCK_M, BLOCK_T, MMA, W4, A_OP, B_OP)
         return _run_last(words, sc, x, acc, DECODE, WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, W4, A_OP, B_OP, ACC_B, O2)
 
     @gluon.jit
@@ -488,6 +507,51 @@ if HAS_GLUON:
         return acc, words_a, sc_a, x_a
 
     @gluon.jit
+    def _run_steps_deep(words_a, sc_a, x_a, w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0, kb_last, last, w_c,
+                        w_s, w_x, k_c, k_s, k_x, K, EVEN_K: gl.constexpr, DECODE: gl.constexpr, WARPS: gl.constexpr,
+                        ROW_WARPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr, MMA: gl.constexpr,
+                        W4: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr):
+        """:func:`_run_steps` with each step loaded two steps before it is decoded (three register buffers, the
+        loop unrolled by three): twice the code bytes in flight per warp, for a third buffer of registers.  The
+        stall samples of the one-step loop put its waits at the first decode instruction of each word, i.e. on
+        codes that arrive late."""
+        BMW: gl.constexpr = BLOCK_M // ROW_WARPS
+        KW: gl.constexpr = WARPS // ROW_WARPS
+        kb_w, kb_s, kb_x = kb0 + w_c // ROW_WARPS, kb0 + w_s // ROW_WARPS, kb0 + w_x // ROW_WARPS
+        acc = gl.zeros([WARPS, BMW, BLOCK_T], gl.float32, MMA)
+        # Buffer a holds step 0; b takes step 1 (past a one-step run the blocks clamp to its last one: a re-read).
+        words_b, sc_b, x_b = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs,
+                                        _step_blocks(kb_w, kb_s, kb_x, KW, kb_last), k_c * 8, k_s * 16, k_x, K, EVEN_K)
+        for i in range(0, last - 2, 3):  # steps i .. i + 2, all before the last: every warp has a block
+            words_c, sc_c, x_c = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs,
+                                            _step_blocks(kb_w, kb_s, kb_x, (i + 2) * KW, kb_last),
+                                            k_c * 8, k_s * 16, k_x, K, EVEN_K)
+            acc = _step_mma(words_a, sc_a, x_a, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
+            words_a, sc_a, x_a = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs,
+                                            _step_blocks(kb_w, kb_s, kb_x, (i + 3) * KW, kb_last),
+                                            k_c * 8, k_s * 16, k_x, K, EVEN_K)
+            acc = _step_mma(words_b, sc_b, x_b, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
+            words_b, sc_b, x_b = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs,
+                                            _step_blocks(kb_w, kb_s, kb_x, (i + 4) * KW, kb_last),
+                                            k_c * 8, k_s * 16, k_x, K, EVEN_K)
+            acc = _step_mma(words_c, sc_c, x_c, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
+        # The loop decoded steps 0 .. j - 1 (j = 3 * its trip count, last - 2 <= j <= last when last >= 2, else 0);
+        # a holds step j and b step j + 1.  Steps j .. last - 1 remain before the last: 0, 1 or 2 of them.
+        rem = last - 3 * gl.cdiv(gl.maximum(last - 2, 0), 3)
+        if rem == 2:
+            words_c, sc_c, x_c = _load_step(w_base, w_offs, s_base, s_offs, x_base, x_offs,
+                                            _step_blocks(kb_w, kb_s, kb_x, last * KW, kb_last),
+                                            k_c * 8, k_s * 16, k_x, K, EVEN_K)
+            acc = _step_mma(words_a, sc_a, x_a, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
+            acc = _step_mma(words_b, sc_b, x_b, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
+            words_a, sc_a, x_a = words_c, sc_c, x_c
+        elif rem == 1:
+            acc = _step_mma(words_a, sc_a, x_a, acc, DECODE, WARPS, BMW, BLOCK_T, W4, A_OP, B_OP)
+            words_a, sc_a, x_a = words_b, sc_b, x_b
+        words_a = gl.where(kb_w + last * KW <= kb_last, words_a, 0)
+        return acc, words_a, sc_a, x_a
+
+    @gluon.jit
     def _run_last(words, sc, x, acc, DECODE: gl.constexpr, WARPS: gl.constexpr, ROW_WARPS: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr, W4: gl.constexpr, A_OP: gl.constexpr,
                   B_OP: gl.constexpr, ACC_B: gl.constexpr, O2: gl.constexpr):
@@ -531,7 +595,7 @@ if HAS_GLUON:
         T, N, K, stride_xt, stride_ww, stride_wsn, stride_ot, total_blocks, slots_per_cta,
         HAS_BIAS: gl.constexpr, DECODE: gl.constexpr, EVEN_K: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr, WARPS: gl.constexpr, ROW_WARPS: gl.constexpr,
-        OVERLAP_RUNS: gl.constexpr,
+        OVERLAP_RUNS: gl.constexpr, PREFETCH: gl.constexpr = 1,
     ):
         # Warp w = kw * ROW_WARPS + rw takes rows [rw * BMW, (rw + 1) * BMW) of the row tile and block kw of
         # each step (the ROW_WARPS warps of one kw read the same activations: the second read is an L1 hit).
@@ -588,7 +652,7 @@ if HAS_GLUON:
                                                            stride_wsn, BLOCK_M)
                 y = _run_product(w_base, w_offs, s_base, s_offs, x_base, x_offs, kb0, kb_last, last, w_c, w_s, w_x,
                                  k_c, k_s, k_x, K, EVEN_K, DECODE, WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, MMA, W4, A_OP,
-                                 B_OP, ACC_B, O2)
+                                 B_OP, ACC_B, O2, False, PREFETCH)
                 _end_tile(y, tile, pid, pid_t, ctas, total_blocks, NB, first_tile, slots_per_cta, part_ptr, part_offs,
                           cnt_ptr + pid_t * tiles_m + tile, rows_o, toks_o, wdec_ptr, bias_ptr, out_ptr, stride_ot, T,
                           N, HAS_BIAS, DECODE, BLOCK_M, BLOCK_T, O2)
