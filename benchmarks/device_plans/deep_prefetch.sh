@@ -7,8 +7,8 @@ source .carry/env.sh
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout ${TESTS_S:-240} python3 -m pytest -q -m gpu -n 8 tests/kernels/test_gemv_stream.py \
-  -k "deep_prefetch or every_tile_small or fp16_and_real_k" > $OUT/tests.log 2>&1
+  -k "${TESTS_K:-deep_prefetch or every_tile_small or fp16_and_real_k}" > $OUT/tests.log 2>&1
 echo "tests rc $?"; tail -3 $OUT/tests.log
-timeout ${SWEEP_S:-240} python3 benchmarks/linear_decode_sweep.py --out $OUT --t 1,2,8,16 \
+timeout ${SWEEP_S:-240} python3 benchmarks/linear_decode_sweep.py --out $OUT --t ${SWEEP_T:-1,2,8,16} \
   --candidates stream-plan,pf2,16x8w4r1c96 --min-bytes 1e9 --repeats 10 > $OUT/sweep.log 2>&1
 echo "sweep rc $?"
