@@ -158,6 +158,11 @@ SPILL_PROBE_TILES = (
 )
 
 
+def capped_wave_ctas(tile, t: int, sm: int) -> int:
+    """The one-wave grid of a tile outside TILE_REGISTERS, from its register cap (an upper bound of its registers)."""
+    return max(1, ctas_per_sm(tile.max_regs, tile.num_warps) * sm // -(-t // tile.block_t))
+
+
 def stream_specs(t: int, sm: int, cc_major: int) -> list[tuple[str, tuple]]:
     plan = stream_plan(t, 0, 0, sm, cc_major)
     shift = gs.DECODE_SHIFT if cc_major < 10 else gs.DECODE_CVT
@@ -173,9 +178,11 @@ def stream_specs(t: int, sm: int, cc_major: int) -> list[tuple[str, tuple]]:
     # compile proof refuses them for the table): do more warps per SM pay for themselves at all?
     for tile in SPILL_PROBE_TILES:
         if tile.block_t == (8 if t <= 8 else 16):
-            tiles_t = -(-t // tile.block_t)
-            ctas = max(1, ctas_per_sm(tile.max_regs, tile.num_warps) * sm // tiles_t)
-            out.append((stream_name(tile) + "-spill", ("stream", tile, ctas, shift)))
+            out.append((stream_name(tile) + "-spill", ("stream", tile, capped_wave_ctas(tile, t, sm), shift)))
+    # two steps loaded ahead (not listed for the table until they have run on a GPU), on their caps' one-wave grids
+    for tile in gs.DEEP_PREFETCH_TILES:
+        if tile.block_t == (8 if t <= 8 else 16):
+            out.append((stream_name(tile), ("stream", tile, capped_wave_ctas(tile, t, sm), shift)))
     # grid sensitivity (half and twice the one-wave grid) and the table decode, on the planned tile
     out.append(("stream-plan-half-grid", ("stream", plan.tile, max(1, plan.ctas // 2), shift)))
     out.append(("stream-plan-2waves", ("stream", plan.tile, 2 * plan.ctas, shift)))

@@ -51,11 +51,11 @@ def test_candidates(t, cc_major):
     assert len(names) == len(set(names)) and names[0] == "stream-plan"
     for _, (kind, tile, ctas, decode) in specs:
         assert kind == "stream" and ctas >= 1 and decode in gs.DECODE_NAMES
-        assert tile in gs.STREAM_TILES or tile in sweep.SPILL_PROBE_TILES
+        assert tile in gs.STREAM_TILES or tile in sweep.SPILL_PROBE_TILES or tile in gs.DEEP_PREFETCH_TILES
     # every listed tile of the token block is a candidate, on its one-wave grid
     block_t = 8 if t <= 8 else 16
     tiles = {tile: ctas for name, (_, tile, ctas, _) in specs
-             if name == "stream-plan" or name == sweep.stream_name(tile)}
+             if (name == "stream-plan" or name == sweep.stream_name(tile)) and tile in gs.STREAM_TILES}
     assert set(tiles) == {tile for tile in gs.STREAM_TILES if tile.block_t == block_t}
     assert all(ctas == sweep.wave_ctas(tile, t, 132, cc_major) for tile, ctas in tiles.items())
     # the spill probes: every one of the token block, each on the grid its register cap makes one wave
@@ -63,6 +63,10 @@ def test_candidates(t, cc_major):
     assert set(probes) == {tile for tile in sweep.SPILL_PROBE_TILES if tile.block_t == block_t} and probes
     tiles_t = -(-t // block_t)
     assert all(ctas == 65536 // (tile.max_regs * 32 * tile.num_warps) * 132 // tiles_t for tile, ctas in probes.items())
+    # the two-steps-ahead tiles of the token block, likewise on their caps' grids
+    deep = {tile: ctas for name, (_, tile, ctas, _) in specs if name.endswith("pf2")}
+    assert set(deep) == {tile for tile in gs.DEEP_PREFETCH_TILES if tile.block_t == block_t} and deep
+    assert all(ctas == sweep.capped_wave_ctas(tile, t, 132) for tile, ctas in deep.items())
     assert sweep.selected("stream-plan", ["plan"]) and not sweep.selected("gemlite", ["stream"])
 
 

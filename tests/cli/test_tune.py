@@ -226,7 +226,7 @@ def test_list_shows_the_plan_without_a_gpu(capsys):
     assert code == 0
     if NO_GPU:
         assert out.startswith("# no GPU (sm_90, 132 SMs)")
-    assert "T=159" in out and "w4a16_dequant_mm" in out and out.strip().endswith("3 points, 26 candidate runs")
+    assert "T=159" in out and "w4a16_dequant_mm" in out and out.strip().endswith("3 points, 24 candidate runs")
 
 
 def test_tune_plan_from_a_checkpoint(tiny, capsys):

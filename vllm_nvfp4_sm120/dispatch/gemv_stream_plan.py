@@ -34,18 +34,14 @@ TILE_REGISTERS = {
         StreamTile(32, 8, 4, 2, max_regs=96): 91, StreamTile(64, 8, 4, 4, max_regs=96): 85,
         StreamTile(32, 16, max_regs=168): 163, StreamTile(32, 8, max_regs=128, overlap_runs=True): 116,
         StreamTile(32, 16, max_regs=168, overlap_runs=True): 164,
-        StreamTile(16, 8, max_regs=96, overlap_runs=True): 96,
-        StreamTile(32, 8, max_regs=168, prefetch=2): 143, StreamTile(16, 8, max_regs=128, prefetch=2): 112,
-        StreamTile(32, 16, prefetch=2): 195},
+        StreamTile(16, 8, max_regs=96, overlap_runs=True): 96},
     12: {StreamTile(64, 8): 152, StreamTile(32, 8): 138, StreamTile(128, 8, 4, 2): 152,
          StreamTile(64, 16): 191, StreamTile(128, 16, 4, 2): 192, StreamTile(32, 16): 153,
          StreamTile(32, 8, max_regs=128): 111, StreamTile(16, 8, max_regs=96): 91,
          StreamTile(32, 8, 4, 2, max_regs=96): 93, StreamTile(64, 8, 4, 4, max_regs=96): 83,
          StreamTile(32, 16, max_regs=168): 154, StreamTile(32, 8, max_regs=128, overlap_runs=True): 111,
          StreamTile(32, 16, max_regs=168, overlap_runs=True): 154,
-         StreamTile(16, 8, max_regs=96, overlap_runs=True): 93,
-         StreamTile(32, 8, max_regs=168, prefetch=2): 150, StreamTile(16, 8, max_regs=128, prefetch=2): 110,
-         StreamTile(32, 16, prefetch=2): 207},
+         StreamTile(16, 8, max_regs=96, overlap_runs=True): 93},
 }
 
 
