@@ -174,15 +174,13 @@ def stream_specs(t: int, sm: int, cc_major: int) -> list[tuple[str, tuple]]:
     for tile in gs.STREAM_TILES:
         if tile != plan.tile and tile.block_t == (8 if t <= 8 else 16):
             out.append((stream_name(tile), ("stream", tile, wave_ctas(tile, t, sm, cc_major), shift)))
-    # more CTAs per SM than any listed tile, at register caps that spill a few values outside the main loop (the
-    # compile proof refuses them for the table): do more warps per SM pay for themselves at all?
-    for tile in SPILL_PROBE_TILES:
-        if tile.block_t == (8 if t <= 8 else 16):
-            out.append((stream_name(tile) + "-spill", ("stream", tile, capped_wave_ctas(tile, t, sm), shift)))
-    # two steps loaded ahead (not listed for the table until they have run on a GPU), on their caps' one-wave grids
-    for tile in gs.DEEP_PREFETCH_TILES:
-        if tile.block_t == (8 if t <= 8 else 16):
-            out.append((stream_name(tile), ("stream", tile, capped_wave_ctas(tile, t, sm), shift)))
+    # Unlisted tiles, each on its cap's one-wave grid: the spill probes (more CTAs per SM than any listed tile, at
+    # caps that spill a few values outside the main loop, which the compile proof refuses for the table: do more
+    # warps per SM pay at all?) and the two-steps-ahead tiles (not listed until they have run on a GPU).
+    for tiles, suffix in ((SPILL_PROBE_TILES, "-spill"), (gs.DEEP_PREFETCH_TILES, "")):
+        for tile in tiles:
+            if tile.block_t == (8 if t <= 8 else 16):
+                out.append((stream_name(tile) + suffix, ("stream", tile, capped_wave_ctas(tile, t, sm), shift)))
     # grid sensitivity (half and twice the one-wave grid) and the table decode, on the planned tile
     out.append(("stream-plan-half-grid", ("stream", plan.tile, max(1, plan.ctas // 2), shift)))
     out.append(("stream-plan-2waves", ("stream", plan.tile, 2 * plan.ctas, shift)))

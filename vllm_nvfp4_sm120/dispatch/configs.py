@@ -104,7 +104,7 @@ def moe_bucket(global_experts: int, top_k: int, hidden: int, intermediate: int) 
 
 _SHORT = {"block_m": "m", "block_n": "n", "block_k": "k", "block_t": "t", "num_warps": "w", "num_stages": "s",
           "group_m": "g", "rows_per_warp": "r", "row_warps": "rw", "swap_ab": "swap", "max_regs": "regs",
-          "overlap_runs": "ov", "prefetch": "pf"}
+          "overlap_runs": "ov"}
 
 
 def choice_label(choice: dict) -> str:
