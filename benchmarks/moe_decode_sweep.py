@@ -139,6 +139,11 @@ for _name in ("gus-m32t8", "gus-m64t8-rw2"):
 # sm_120); the 64-row tile spills under that cap on sm_90 and runs uncapped (214 registers there: 2 CTAs).
 STREAM_GATE_UP["gus-m32t8-ov"] = replace(STREAM_GATE_UP["gus-m32t8"], overlap_runs=True, max_regs=168)
 STREAM_GATE_UP["gus-m64t8-rw2-ov"] = replace(STREAM_GATE_UP["gus-m64t8-rw2"], overlap_runs=True, ctas_per_sm=2)
+# Two steps loaded ahead ("-pf2": three register buffers, kernels/gluon_gemv_stream._run_steps_deep): twice the code
+# bytes in flight per warp.  Capped at 168 registers the table's two tiles keep 3 CTAs per SM without a stack on
+# sm_90 or sm_120 (compile tests); at 128 (4 CTAs) they spill on sm_120.
+for _name in ("gus-m32t8", "gus-m64t8-rw2"):
+    STREAM_GATE_UP[f"{_name}-pf2"] = replace(STREAM_GATE_UP[_name], prefetch=2, max_regs=168)
 DOWN = {  # name: (kernel, deterministic, tile)
     "tok-n16k256-w1": ("token", False, DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True)),
     "tok-n16k256-w1-pdl": ("token", False, DecodeTile(16, 256, 16, num_warps=1, num_stages=4, use_dot=True,

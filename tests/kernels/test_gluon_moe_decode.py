@@ -51,10 +51,15 @@ def test_tile_rules():
             gm.MoeStreamTile(**bad)
     assert gm.MoeStreamTile(32, 8, max_regs=128).launch_options == {"num_warps": 4, "maxnreg": 128}
     assert gm.MoeStreamTile(64, 8, row_warps=2).constexprs == dict(
-        BLOCK_M=64, BLOCK_T=8, WARPS=4, ROW_WARPS=2, ROW_POINTERS=False, LATE_CAST=False, OVERLAP_RUNS=False)
+        BLOCK_M=64, BLOCK_T=8, WARPS=4, ROW_WARPS=2, ROW_POINTERS=False, LATE_CAST=False, OVERLAP_RUNS=False,
+        PREFETCH=1)
     assert gm.MoeStreamTile(32, 8, row_pointers=True).constexprs["ROW_POINTERS"] is True
     assert gm.MoeStreamTile(32, 8, late_cast=True).constexprs["LATE_CAST"] is True
     assert gm.MoeStreamTile(32, 8, overlap_runs=True).constexprs["OVERLAP_RUNS"] is True
+    assert gm.MoeStreamTile(32, 8, prefetch=2).constexprs["PREFETCH"] == 2
+    for bad in (dict(prefetch=3), dict(prefetch=0), dict(prefetch=2, overlap_runs=True)):
+        with pytest.raises(ValueError, match="prefetch"):
+            gm.MoeStreamTile(32, 8, **bad)
 
 
 def test_grid_sizes_the_largest_list():
@@ -362,8 +367,9 @@ def compile_tile(tile, arch=120, decode=0, dtype="bf16", has_map=True, even_k=Tr
 
 
 def _words(tile) -> int:
-    """Code words one lane decodes per main-loop iteration: 2 steps x (rows per lane) x 4 words."""
-    return 2 * (tile.block_m // tile.row_warps // 8) * 4
+    """Code words one lane decodes per main-loop iteration: (prefetch + 1) steps (the loop is unrolled by its number
+    of register buffers) x (rows per lane) x 4 words."""
+    return (tile.prefetch + 1) * (tile.block_m // tile.row_warps // 8) * 4
 
 
 def test_the_dispatch_tiles_are_among_the_compiled_ones():
@@ -400,8 +406,9 @@ def test_sweep_tiles_compile_for_sm120(name, down):
         rep.require_ptx(r"red\.global\.gpu\.add\.f32|atom\.global\.gpu\.(relaxed\.)?add\.f32")
     loop = main_loop(rep.sass)
     words = _words(tile)
-    # one 16-byte load per row and step for the codes, four per token row and step for the activations
-    assert loop.count(r"LDG\.E.*\.128") == words // 4 + tile.block_t, loop.ops
+    # one 16-byte load per row and step for the codes, four per token row and step for the activations (a lane
+    # holds the rows of one token of eight)
+    assert loop.count(r"LDG\.E.*\.128") == words // 4 + 4 * (tile.prefetch + 1) * tile.block_t // 8, loop.ops
     assert loop.count(r"F2FP\.BF16\.E2M1\.UNPACK_B") == 4 * words, loop.ops
     assert 4 * loop.count(r"F2FP\.BF16\.E4M3\.UNPACK_B") == words, loop.ops
     if tile.max_regs:
@@ -493,6 +500,27 @@ def test_overlapped_runs_load_one_step_more_outside_the_loop(name, down, arch, d
     if tile.max_regs:
         assert ov.registers <= tile.max_regs <= 168
     print(ov.summary(), f"{ldg(ov)} loads against {ldg(plain)};", plain.summary())
+
+
+DEEP_JOBS = [n for n in TILES if TILES[n].prefetch == 2]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch,decode", [(120, 0), (90, 2)])
+@pytest.mark.parametrize("name", DEEP_JOBS)
+def test_deep_prefetch_keeps_the_step_and_three_buffers(name, arch, decode):
+    """Two steps ahead: the main loop is three steps of the one-step tile's step (the same loads, decode and MMAs
+    per step), within the tile's cap and without local memory."""
+    from dataclasses import replace
+
+    tile = TILES[name]
+    deep = compile_tile(tile, arch=arch, decode=decode).require_no_local().require_smem()
+    plain = compile_tile(replace(tile, prefetch=1, max_regs=None), arch=arch, decode=decode)
+    loop, plain_loop = main_loop(deep.sass), main_loop(plain.sass)
+    for op in (r"HMMA.*", r"HMUL2.*", r"F2FP\.BF16\.E2M1.*", r"LDG.*", r"IMAD\.HI.*"):
+        assert 2 * loop.count(op) == 3 * plain_loop.count(op), (op, loop.ops, plain_loop.ops)
+    assert loop.count(r"HMMA.*") > 0 and deep.registers <= tile.max_regs
+    print(deep.summary(), f"against {plain.registers} registers with one step ahead")
 
 
 @pytest.mark.compile
@@ -636,6 +664,26 @@ def test_gpu_overlapped_runs_change_no_bit(name, t):
                                   expert_map=emap)
     local = emap[ti.long()].reshape(-1) >= 0
     assert torch.equal(first[local], plain[local])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", DEEP_JOBS)
+@pytest.mark.parametrize("t,h", [(1, 2048), (6, 2048), (3, 7168)])
+def test_gpu_deep_prefetch_changes_no_bit(name, t, h):
+    """Two steps ahead decodes the same steps in the same order: the gate_up's bits are the one-step tile's (runs of
+    1 to many steps: H = 2048 has 16 blocks of 128 per row, H = 7168 56; several experts, other ranks' experts)."""
+    from dataclasses import replace
+
+    e, k, i = 128, 8, 768
+    x, w13, d13, w2, d2, tw, ti, emap = _problem(t, e, k, h, i, device="cuda", with_map=True)
+    tile = TILES[name]
+    got = gm.moe_stream_gate_up(x, w13.codes, w13.scales, d13, ti, tile=tile, expert_map=emap)
+    plain = gm.moe_stream_gate_up(x, w13.codes, w13.scales, d13, ti, tile=replace(tile, prefetch=1), expert_map=emap)
+    local = emap[ti.long()].reshape(-1) >= 0
+    assert torch.equal(got[local], plain[local])
+    out = moe_decode(x, w13.codes, w13.scales, d13, w2.codes, w2.scales, d2, tw, ti, gate_up_tile=tile,
+                     down_tile=DOWN_TILE, down="expert", expert_map=emap)
+    assert_moe_close(out, moe_ref(x, w13, d13, w2, d2, tw, ti, expert_map=emap))
 
 
 @pytest.mark.gpu

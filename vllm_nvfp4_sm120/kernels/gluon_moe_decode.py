@@ -65,7 +65,9 @@ class MoeStreamTile:
     chain of dependent round trips to L2 (partial store, count, sum load), paid once per CTA instead;
     ``overlap_runs``: each run's first step is loaded before the previous run's last step and epilogue, and the
     routing is recomputed only where the expert changes: a CTA's short runs (a few 128-k blocks per row tile where
-    K is small) keep loads in flight across their boundaries instead of draining at each."""
+    K is small) keep loads in flight across their boundaries instead of draining at each;
+    ``prefetch``: steps a warp has loaded ahead of the one it decodes, 1 or 2 (2: three register buffers, see
+    :func:`.gluon_gemv_stream._run_steps_deep`; not with ``overlap_runs``)."""
 
     block_m: int
     block_t: int
@@ -76,12 +78,15 @@ class MoeStreamTile:
     row_pointers: bool = False
     late_cast: bool = False
     overlap_runs: bool = False
+    prefetch: int = 1
 
     def __post_init__(self):
         if self.block_t not in (8, 16) or self.num_warps not in (2, 4, 8) or self.row_warps not in (1, 2, 4):
             raise ValueError(f"MoeStreamTile: unsupported {self}")
         if self.num_warps % self.row_warps or self.block_m not in tuple(r * self.row_warps for r in (16, 32, 64)):
             raise ValueError(f"MoeStreamTile: {self}: needs 16, 32 or 64 rows per row warp and row_warps | num_warps")
+        if self.prefetch not in (1, 2) or (self.prefetch == 2 and self.overlap_runs):
+            raise ValueError(f"MoeStreamTile: {self}: prefetch is 1 or 2, and 2 only without overlapped runs")
         register_cap_option("MoeStreamTile", self.max_regs)
         if not 1 <= self.ctas_per_sm <= 32:
             raise ValueError(f"MoeStreamTile: ctas_per_sm = {self.ctas_per_sm} (expected 1..32)")
@@ -104,7 +109,7 @@ class MoeStreamTile:
         """The kernel's compile-time arguments this tile sets."""
         return dict(BLOCK_M=self.block_m, BLOCK_T=self.block_t, WARPS=self.num_warps, ROW_WARPS=self.row_warps,
                     ROW_POINTERS=self.row_pointers, LATE_CAST=self.late_cast,
-                    OVERLAP_RUNS=self.overlap_runs)
+                    OVERLAP_RUNS=self.overlap_runs, PREFETCH=self.prefetch)
 
 
 @dataclass(frozen=True)
@@ -166,7 +171,7 @@ MOE_STREAM_SIGNATURE = {
     "DOWN": "constexpr", "ACTIVATION": "constexpr", "HAS_MAP": "constexpr", "ZERO": "constexpr",
     "S_BLOCK": "constexpr", "DECODE": "constexpr", "EVEN_K": "constexpr", "BLOCK_M": "constexpr",
     "BLOCK_T": "constexpr", "WARPS": "constexpr", "ROW_WARPS": "constexpr", "ROW_POINTERS": "constexpr",
-    "LATE_CAST": "constexpr", "OVERLAP_RUNS": "constexpr",
+    "LATE_CAST": "constexpr", "OVERLAP_RUNS": "constexpr", "PREFETCH": "constexpr",
 }
 MOE_STREAM_DIVISIBLE = [k for k, v in MOE_STREAM_SIGNATURE.items() if v.startswith("*")] + [
     "N", "K", "stride_xt", "stride_we", "stride_ww", "stride_wse", "stride_wsn", "stride_om",
@@ -277,6 +282,7 @@ if HAS_GLUON:
         S_BLOCK: gl.constexpr, DECODE: gl.constexpr, EVEN_K: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr, WARPS: gl.constexpr, ROW_WARPS: gl.constexpr,
         ROW_POINTERS: gl.constexpr, LATE_CAST: gl.constexpr, OVERLAP_RUNS: gl.constexpr,
+        PREFETCH: gl.constexpr,
     ):
         # gate_up (DOWN false): N = I columns, a row tile = HALF gate rows + the same columns' up rows of w13[e],
         # activations x[token]; down: N = H rows of w2[e], activations inter[route], the routing weight and the
@@ -369,7 +375,7 @@ if HAS_GLUON:
                     stride_wse, stride_wsn, N, DOWN, BLOCK_M, HALF)
                 y = _run_product(w_base, w_offs, s_base, s_offs, x_ptr, x_offs, kb0, kb_last, last, w_c, w_s, w_x,
                                  k_c, k_s, k_x, K, EVEN_K, DECODE, WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, MMA, W4, A_OP,
-                                 B_OP, ACC_B, O2, ROW_POINTERS)
+                                 B_OP, ACC_B, O2, ROW_POINTERS, PREFETCH)
                 _end_run(y, tile, e, route, count, j, pid, ctas, total, NB, first_tile, slots_per_cta, part_ptr,
                          part_offs, cnt_ptr, wdec_ptr, out_ptr, tw_ptr, acc_ptr, tcnt_ptr, ids_b, offs_b, stride_om,
                          N, top_k, tiles_e, DOWN, ACTIVATION, DECODE, LATE_CAST, BLOCK_M, BLOCK_T, HALF, O2, R2, Y3)
