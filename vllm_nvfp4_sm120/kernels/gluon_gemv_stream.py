@@ -229,8 +229,10 @@ STREAM_TILES = (
 )
 # Two steps loaded ahead (three register buffers), within caps that compile without spilling on sm_90 and sm_120
 # (compile tests): twice the code bytes in flight per warp, at 3 / 4 / 2 CTAs per SM.  The one-step loop's stall
-# samples put its waits at the first decode instruction of each word, i.e. on codes that arrive late.  Not in
-# STREAM_TILES (so neither the dispatch nor `tune` can pick them) until a GPU has run their tests and the sweep.
+# samples put its waits at the first decode instruction of each word, i.e. on codes that arrive late.  On an H100
+# they gave the one-step tile's bits and were not faster than the plan on 22 of 32 decode rows (up to 1.27x slower at
+# T = 16, 1.01-1.08x faster on the other 10): the waits are not for want of loads in flight per warp.  So they are
+# sweep candidates only, not in STREAM_TILES (neither the dispatch nor `tune` picks them).
 DEEP_PREFETCH_TILES = (
     StreamTile(32, 8, max_regs=168, prefetch=2), StreamTile(16, 8, max_regs=128, prefetch=2),
     StreamTile(32, 16, max_regs=200, prefetch=2),
