@@ -15,6 +15,7 @@ from vllm_nvfp4_sm120.dispatch.linear import (
     ROUTES,
     W4A4_ROUTES,
     LinearKernel,
+    LinearPlan,
     Route,
     act_quant_config,
     all_gemv_tiles,
@@ -24,6 +25,7 @@ from vllm_nvfp4_sm120.dispatch.linear import (
     dequant_mm_min_t,
     gluon_gemv_plan,
     gluon_gemv_tile,
+    k_tail_stream,
     select_linear,
     small_t_threshold,
     stream_wave_ctas,
@@ -31,7 +33,7 @@ from vllm_nvfp4_sm120.dispatch.linear import (
 )
 from vllm_nvfp4_sm120.dispatch.hw import Family
 from vllm_nvfp4_sm120.dispatch.configs import DERIVED_PARAMS
-from vllm_nvfp4_sm120.dispatch.gemv_stream_plan import stream_plan
+from vllm_nvfp4_sm120.dispatch.gemv_stream_plan import stream_plan, wave_ctas
 from vllm_nvfp4_sm120.kernels.gluon_gemv_stream import STREAM_TILES, StreamTile
 from vllm_nvfp4_sm120.kernels.aot import SASS_OMMA_NVFP4, compile_kernel
 from vllm_nvfp4_sm120.kernels.w4a4_gemm import W4A4_DIVISIBLE, W4A4_SIGNATURE
@@ -66,12 +68,36 @@ def test_decode_sizes_go_to_the_streaming_kernel(cap, t, n, k):
         assert select_linear(cap, "triton", t, n, k) == plan
         return
     want = stream_plan(t, n, k, cap.sm_count, cap.major)
+    tile, ctas = want.tile, want.ctas
+    if k % 128:  # the K-tail variant: the uncapped 32-row tile (k_tail_stream)
+        tile = StreamTile(32, want.tile.block_t)
+        ctas = wave_ctas(tile, t, cap.sm_count, cap.major)
     assert plan.kernel == "gluon_gemv_stream"
-    assert plan.kwargs == dict(want.tile.params(), ctas=want.ctas)
+    assert plan.kwargs == dict(tile.params(), ctas=ctas)
     assert plan.kwargs["block_t"] == (8 if t <= 8 else 16)
     assert StreamTile(**{key: v for key, v in plan.kwargs.items() if key != "ctas"}) in STREAM_TILES
     # the same plan on a W4A4 route's decode rows
     assert select_linear(cap, "triton", t, n, k) == plan
+
+
+@pytest.mark.parametrize("cap", [Capability(120, 170), Capability(90, 132)], ids=str)
+def test_a_k_tail_runs_an_uncapped_stream_tile(cap):
+    """K not a multiple of 128: no register cap on the streaming tile, whatever row chose it (a built-in rule or a
+    config's capped tile), since the capped tiles' K-tail variants spill; even K keeps the capped plan."""
+    for t in (1, 2, 8, 9, 16):
+        for k in (2880, 5120 + 64, 8192 + 16):
+            plan = select_linear(cap, "w4a16", t, 57344, k)
+            assert plan.kernel == "gluon_gemv_stream" and "max_regs" not in plan.kwargs, (t, k, plan)
+            tile = StreamTile(**{key: v for key, v in plan.kwargs.items() if key != "ctas"})
+            assert tile in STREAM_TILES and tile.block_m == 32 and tile.block_t == (8 if t <= 8 else 16)
+            assert plan.kwargs["ctas"] == wave_ctas(tile, t, cap.sm_count, cap.major)
+        assert "max_regs" in select_linear(cap, "w4a16", t, 57344, 8192).kwargs
+    params = dict(StreamTile(16, 8, max_regs=96).params(), ctas=7)  # a config's capped tile
+    capped = LinearPlan(LinearKernel.GLUON_GEMV_STREAM, tuple(sorted(params.items())))
+    assert k_tail_stream(capped, cap, 4, 8192) is capped
+    assert "max_regs" not in k_tail_stream(capped, cap, 4, 8200).kwargs
+    other = select_linear(cap, "w4a16", 64, 57344, 8200)  # not the streaming kernel: unchanged
+    assert k_tail_stream(other, cap, 64, 8200) is other
 
 
 def test_small_layer_rule_matches_the_measured_layers():

@@ -469,6 +469,13 @@ def test_dispatch_decode_rows(monkeypatch):
     assert plan(8).gate_up == M.DECODE_GATE_UP_TILES["gu-n32k128-w2-st3-shift"]
     assert all(plan(t, name).stream_down is None for t in (1, 4, 8) for name in H200_SHAPES)
     monkeypatch.delenv("VLLM_NVFP4_SM120_DISABLE_GLUON")
+    # I not a multiple of 128: the streaming down's K-tail variant spills under its cap, so the row's Triton down
+    # serves (the streaming gate_up reads K = H and stays).
+    for cap in (SM90, SM120):
+        for i in (704, 768 + 64):
+            p = plan(4, cap=cap, intermediate=i)
+            assert p.stream_down is None and p.tier.endswith("/stream"), (cap, i, p.tier)
+        assert plan(4, cap=cap, intermediate=768).stream_down is not None
     # What `env` / `inspect` print for the streaming down: its tile, not the row's Triton one.
     from vllm_nvfp4_sm120.envinfo import moe_plan
 
@@ -613,8 +620,9 @@ def test_gpu_op_decode_expert_map_fp16(name, t, activation):
 
 
 @pytest.mark.gpu
-def test_gpu_odd_stream_shape_takes_both_streaming_kernels():
-    """The odd shape above is the streaming gate_up and down's case where Gluon runs (else the Triton rows')."""
+def test_gpu_odd_stream_shape_takes_the_streaming_gate_up():
+    """The odd shape above is the streaming gate_up's case where Gluon runs (else the Triton rows'); its I = 704 (not
+    a multiple of 128) keeps the row's Triton down."""
     from vllm_nvfp4_sm120.dispatch.moe_flow import plan_for
     from vllm_nvfp4_sm120.kernels.gluon_compat import gluon_enabled
 
@@ -622,7 +630,7 @@ def test_gpu_odd_stream_shape_takes_both_streaming_kernels():
     plan = plan_for(x, w13.codes, w2.codes, ti, w4a4=False, expert_map=emap)
     assert plan.impl == "decode" and plan.decode_down == "expert"
     streams = gluon_enabled()
-    assert (plan.stream_down is not None) == streams and plan.tier.endswith("/stream/stream-down") == streams
+    assert plan.stream_down is None and plan.tier.endswith("/stream") == streams
 
 
 @pytest.mark.gpu

@@ -36,7 +36,7 @@ import triton
 
 from ..kernels.gluon_compat import gluon_enabled
 from ..kernels.gluon_gemv import MMA_BLOCK_M, FmaTile, MmaTile
-from ..kernels.gluon_gemv_stream import STREAM_TILES, StreamTile
+from ..kernels.gluon_gemv_stream import K_BLOCK, STREAM_TILES, StreamTile
 from ..kernels.w4a16_linear import GEMV_BLOCK_T
 from .configs import measured_linear_plan
 from .gemv_stream_plan import STREAM_MAX_T, stream_plan, wave_ctas
@@ -396,7 +396,25 @@ def select_linear(cap: Capability, route: Route | str, t: int, n: int, k: int) -
         rows = [r for r in rows if r.plan.is_w4a4]
         measured = measured_linear_plan(cap, route, t, n, k)
         return measured if measured is not None and measured.is_w4a4 else _table_plan(rows, cap, t, n, k)
-    return measured_linear_plan(cap, route, t, n, k) or _table_plan(rows, cap, t, n, k)
+    return k_tail_stream(measured_linear_plan(cap, route, t, n, k) or _table_plan(rows, cap, t, n, k), cap, t, k)
+
+
+def k_tail_stream(plan: LinearPlan, cap: Capability, t: int, k: int) -> LinearPlan:
+    """``plan``, except a register-capped streaming tile where K is not a multiple of 128: the uncapped 32-row tile
+    of its token width.
+
+    The kernel's K-tail variant (the last block's loads masked) needs more registers than the even-K one, and under
+    the listed caps some tiles then keep 8-24 bytes per thread on the stack on sm_90 or sm_120 (the 32 x 8 tile
+    capped at 128 on sm_90, the 96-register tiles on sm_120).  The uncapped 32-row tiles compile without a stack
+    there (168 registers, 3 CTAs per SM; compile tests), at one CTA per SM fewer than the capped tile.  Unmeasured:
+    no layer of the benchmarked models has such a K."""
+    if plan.kernel is not LinearKernel.GLUON_GEMV_STREAM or k % K_BLOCK == 0:
+        return plan
+    params = dict(plan.params)
+    if params.get("max_regs") is None:
+        return plan
+    tile = StreamTile(32, params["block_t"])
+    return _p(LinearKernel.GLUON_GEMV_STREAM, **tile.params(), ctas=wave_ctas(tile, t, cap.sm_count, cap.major))
 
 
 # Batch-invariant mode: one plan per (route, family) at every T, each without split-K and without a library that

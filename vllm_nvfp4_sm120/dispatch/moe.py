@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from ..kernels.gluon_compat import gluon_enabled
+from ..kernels.gluon_gemv_stream import K_BLOCK
 from ..kernels.gluon_moe_decode import MoeStreamTile
 from ..kernels.moe_decode import MAX_ROUTES, DecodeTile, tma_ok
 from ..kernels.moe_decode_fused import check_fused_tiles
@@ -327,7 +328,7 @@ _DECODE_STREAM_ROWS = {
 
 # The streaming Gluon down with the cast by the last CTA (kernels/gluon_moe_decode.py, ``late_cast``): each run adds
 # its products straight into the token's fp32 sums and the grid's last CTA casts them; at <= 128 registers 4 CTAs
-# per SM (no stack on sm_90 or sm_120, compile tests).  64 rows over two row warps, so two warps over K, as the
+# per SM (no stack on sm_90 or sm_120 where I is a multiple of 128, compile tests).  64 rows over two row warps, so two warps over K, as the
 # gate_up's tile at H = 2048.  It has no deterministic mode: there the row's Triton down runs.
 DECODE_STREAM_DOWN_TILES = {
     "dns-m64t8-rw2-lc-c4": MoeStreamTile(64, 8, num_warps=4, row_warps=2, max_regs=128, ctas_per_sm=4,
@@ -448,7 +449,10 @@ def decode_tier_plan(cap: Capability, num_tokens: int, *, hidden: int, intermedi
         gate_up = replace(gate_up, use_tma=gate_up.use_tma and tma[0])
     down = replace(down, use_tma=down.use_tma and tma[1])
     variant = "/stream" if stream is not None else "/wide" if wide else ""
-    stream_down = None if token else _gluon_row(_DECODE_STREAM_DOWN_ROWS, cap, num_tokens, hidden)
+    # (I not a multiple of 128: the down's K-tail variant keeps 240 / 128 bytes per thread on the stack under its cap
+    # on sm_90 / sm_120, so the row's Triton down serves.)
+    stream_down = None if token or intermediate % K_BLOCK else _gluon_row(_DECODE_STREAM_DOWN_ROWS, cap, num_tokens,
+                                                                          hidden)
     if stream_down is not None:
         variant += "/stream-down"
     return MoePlan(kernel=MoeKernel.W4A16, block_m=0, gate_up=gate_up, down=down, fast_decode=cap.cc is not None,
