@@ -97,6 +97,24 @@ def test_gpu_kernels_match_reference(route, t, dtype, gen):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t", [2, 8])
+def test_gpu_k_tail_through_the_op(t, gen):
+    """K not a multiple of 128 at decode sizes: the streaming kernel's K-tail variant on the dispatch's uncapped tile
+    (dispatch.linear.k_tail_stream) against the reference."""
+    from vllm_nvfp4_sm120.dispatch.hw import capability_of
+    from vllm_nvfp4_sm120.dispatch.linear import select_linear
+
+    n, k = 384, 1040
+    plan = select_linear(capability_of(torch.device("cuda")), "w4a16", t, n, k)
+    assert plan.kernel != "gluon_gemv_stream" or "max_regs" not in plan.kwargs, plan
+    p = make_linear(n, k, gen=gen)
+    x = torch.randn(t, k, generator=gen).to(torch.bfloat16)
+    out = torch.ops.nvfp4_sm120.linear(x.cuda(), *_args(p, "cuda"), None, "w4a16")
+    ref = _expected("w4a16", x, p)
+    torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=2**-6, atol=2e-3 * ref.float().abs().max().item())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("route", ["triton", "w4a16"])
 def test_cuda_graph_replay_matches_eager(route, gen):
     p = make_linear(256, 512, gen=gen)
