@@ -328,8 +328,9 @@ _DECODE_STREAM_ROWS = {
 
 # The streaming Gluon down with the cast by the last CTA (kernels/gluon_moe_decode.py, ``late_cast``): each run adds
 # its products straight into the token's fp32 sums and the grid's last CTA casts them; at <= 128 registers 4 CTAs
-# per SM (no stack on sm_90 or sm_120 where I is a multiple of 128, compile tests).  64 rows over two row warps, so two warps over K, as the
-# gate_up's tile at H = 2048.  It has no deterministic mode: there the row's Triton down runs.
+# per SM (no stack on sm_90 or sm_120 where I is a multiple of 128, compile tests).  64 rows over two row warps, so
+# two warps over K, as the gate_up's tile at H = 2048.  It has no deterministic mode: there the row's Triton down
+# runs.
 DECODE_STREAM_DOWN_TILES = {
     "dns-m64t8-rw2-lc-c4": MoeStreamTile(64, 8, num_warps=4, row_warps=2, max_regs=128, ctas_per_sm=4,
                                          late_cast=True),
