@@ -451,7 +451,7 @@ def stream_registers() -> dict:
     try:
         for cache in gs._stream_kernel.device_caches.values():
             for key, kernel in cache[0].items():
-                out[str(key)[:200]] = {"registers": kernel.n_regs, "spills": kernel.n_spills}
+                out[str(key)] = {"registers": kernel.n_regs, "spills": kernel.n_spills}  # the whole key: its constants
     except Exception as e:  # the JIT's cache layout is not an API
         out["unavailable"] = f"{type(e).__name__}: {e}"
     return out
