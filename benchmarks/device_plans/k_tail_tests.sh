@@ -5,6 +5,6 @@
 source .carry/env.sh
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-timeout ${TESTS_S:-200} python3 -m pytest -q -m gpu -n 8 tests/dispatch/test_linear_ops.py tests/dispatch/test_moe_flow.py \
-  tests/kernels/test_gemv_stream.py -k "k_tail or odd or every_tile_small" > $OUT/k_tail_tests.log 2>&1
+timeout ${TESTS_S:-200} python3 -m pytest -q -m gpu -n 8 tests/dispatch/test_linear_ops.py \
+  tests/dispatch/test_moe_flow.py tests/kernels/test_gemv_stream.py -k "k_tail or odd or every_tile_small" > $OUT/k_tail_tests.log 2>&1
 echo "tests rc $?"; tail -5 $OUT/k_tail_tests.log
