@@ -176,7 +176,7 @@ def stream_specs(t: int, sm: int, cc_major: int) -> list[tuple[str, tuple]]:
             out.append((stream_name(tile), ("stream", tile, wave_ctas(tile, t, sm, cc_major), shift)))
     # Unlisted tiles, each on its cap's one-wave grid: the spill probes (more CTAs per SM than any listed tile, at
     # caps that spill a few values outside the main loop, which the compile proof refuses for the table: do more
-    # warps per SM pay at all?) and the two-steps-ahead tiles (not listed until they have run on a GPU).
+    # warps per SM pay at all?) and the two-steps-ahead tiles (not listed: slower than the plan on most rows).
     for tiles, suffix in ((SPILL_PROBE_TILES, "-spill"), (gs.DEEP_PREFETCH_TILES, "")):
         for tile in tiles:
             if tile.block_t == (8 if t <= 8 else 16):

@@ -20,6 +20,7 @@ from moe_gpu_common import assert_moe_close
 from test_moe_decode import SWEEP
 from test_moe_decode import _problem as _decode_problem
 
+from vllm_nvfp4_sm120.dispatch.moe import DECODE_STREAM_GATE_UP_TILES
 from vllm_nvfp4_sm120.format import GlobalScale, NvFp4, dequantize_nvfp4, moe_ref
 from vllm_nvfp4_sm120.kernels import gluon_moe_decode as gm
 from vllm_nvfp4_sm120.kernels.aot import compile_kernel
@@ -534,13 +535,11 @@ def test_other_variants_compile(arch, decode, dtype, even_k, activation):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("arch,decode", [(120, 0), (90, 2)])
-@pytest.mark.parametrize("name", ["gus-m32t8", "gus-m64t8-rw2"])
+@pytest.mark.parametrize("name", sorted(DECODE_STREAM_GATE_UP_TILES))
 def test_table_gate_ups_compile_their_k_tail_without_local_memory(name, arch, decode):
     """H not a multiple of 128 runs the table's streaming gate_ups in their K-tail variant (uncapped).  The
     streaming down's K-tail variant spills under its cap, so the table keeps the Triton down there
     (dispatch/moe.py)."""
-    from vllm_nvfp4_sm120.dispatch.moe import DECODE_STREAM_GATE_UP_TILES
-
     tile = DECODE_STREAM_GATE_UP_TILES[name]
     assert tile.max_regs is None
     compile_tile(tile, arch=arch, decode=decode, even_k=False).require_no_local().require_smem()

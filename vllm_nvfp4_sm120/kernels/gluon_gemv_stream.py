@@ -160,6 +160,19 @@ if HAS_GLUON:
 # ---------------------------------------------------------------------------------------------------------------
 # Tiles and the workspace
 # ---------------------------------------------------------------------------------------------------------------
+def check_stream_step(tile) -> None:
+    """The fields that shape the streaming step (this kernel's :class:`StreamTile` and the MoE kernels'
+    ``MoeStreamTile``, which run the same step): a ValueError naming the tile's class where they do not fit."""
+    name = type(tile).__name__
+    if tile.block_t not in (8, 16) or tile.num_warps not in (2, 4, 8) or tile.row_warps not in (1, 2, 4):
+        raise ValueError(f"{name}: unsupported {tile}")
+    if tile.num_warps % tile.row_warps or tile.block_m not in tuple(r * tile.row_warps for r in (16, 32, 64)):
+        raise ValueError(f"{name}: {tile}: needs 16, 32 or 64 rows per row warp and row_warps | num_warps")
+    if tile.prefetch not in (1, 2) or (tile.prefetch == 2 and tile.overlap_runs):
+        raise ValueError(f"{name}: {tile}: prefetch is 1 or 2, and 2 only without overlapped runs")
+    register_cap_option(name, tile.max_regs)
+
+
 @dataclass(frozen=True)
 class StreamTile:
     block_m: int  # weight rows per CTA: 16, 32 or 64 per row warp
@@ -177,13 +190,7 @@ class StreamTile:
     prefetch: int = 1
 
     def __post_init__(self):
-        if self.block_t not in (8, 16) or self.num_warps not in (2, 4, 8) or self.row_warps not in (1, 2, 4):
-            raise ValueError(f"StreamTile: unsupported {self}")
-        if self.num_warps % self.row_warps or self.block_m not in tuple(r * self.row_warps for r in (16, 32, 64)):
-            raise ValueError(f"StreamTile: {self}: needs 16, 32 or 64 rows per row warp and row_warps | num_warps")
-        if self.prefetch not in (1, 2) or (self.prefetch == 2 and self.overlap_runs):
-            raise ValueError(f"StreamTile: {self}: prefetch is 1 or 2, and 2 only without overlapped runs")
-        register_cap_option("StreamTile", self.max_regs)
+        check_stream_step(self)
 
     @property
     def k_warps(self) -> int:

@@ -43,7 +43,7 @@ import triton
 
 from .common import register_cap_option
 from .gluon_compat import HAS_GLUON, gl, gluon, require_gluon
-from .gluon_gemv_stream import DECODE_NAMES, K_BLOCK, default_stream_decode
+from .gluon_gemv_stream import DECODE_NAMES, K_BLOCK, check_stream_step, default_stream_decode
 
 if HAS_GLUON:
     from .gluon_gemv_stream import (_EPILOGUE_SHIFT, _reduce_tile, _run_bases, _run_first, _run_last,
@@ -81,13 +81,7 @@ class MoeStreamTile:
     prefetch: int = 1
 
     def __post_init__(self):
-        if self.block_t not in (8, 16) or self.num_warps not in (2, 4, 8) or self.row_warps not in (1, 2, 4):
-            raise ValueError(f"MoeStreamTile: unsupported {self}")
-        if self.num_warps % self.row_warps or self.block_m not in tuple(r * self.row_warps for r in (16, 32, 64)):
-            raise ValueError(f"MoeStreamTile: {self}: needs 16, 32 or 64 rows per row warp and row_warps | num_warps")
-        if self.prefetch not in (1, 2) or (self.prefetch == 2 and self.overlap_runs):
-            raise ValueError(f"MoeStreamTile: {self}: prefetch is 1 or 2, and 2 only without overlapped runs")
-        register_cap_option("MoeStreamTile", self.max_regs)
+        check_stream_step(self)
         if not 1 <= self.ctas_per_sm <= 32:
             raise ValueError(f"MoeStreamTile: ctas_per_sm = {self.ctas_per_sm} (expected 1..32)")
 
