@@ -8,13 +8,17 @@ method (``vllm_nvfp4_sm120.bench.time_graph``: the weight replicated to >= --min
 one CUDA graph over all copies, median of --repeats replays).  TB/s = codes + scales bytes per second (the bf16
 weight for cuBLAS); ``frac`` = that over the DRAM read bandwidth measured in the same run.
 
-Candidates (``--candidates`` keeps those whose name contains one of the given substrings):
+Candidates (``--candidates`` keeps those whose name contains one of the given substrings, or equals one that ends in
+``$``):
   stream-plan         the streaming kernel with dispatch.gemv_stream_plan's tile and grid (the proposal)
   stream-<tile>...    every other tile of STREAM_TILES for that token block (``-32x8w4r1c128``: rows x tokens,
                       warps, row warps, register cap; ``...ov``: the runs overlapped), each on its one-wave grid;
                       the planned tile on half and twice that grid; the lop3/prmt decode (``-table``);
                       ``...-spill``: SPILL_PROBE_TILES, more CTAs per SM at caps that spill outside the loop;
-                      ``...pf2``: two steps loaded ahead
+                      ``...pf2``: two steps loaded ahead;
+                      ``stream-plan-nodecode``: the planned tile and grid with the decode left out
+                      (gluon_gemv_stream.DECODE_COPY, a timing probe: its output is meaningless and not checked),
+                      i.e. what the plan would take if its decode cost no instructions
   stream-2x8          T > 8 as two 8-token tiles (two passes over the weight in one launch)
   gluon-today         gluon_gemv.gemv_fma / gemv_mma with the tile the dispatch routes today
   cublas-bf16         x @ W^T on the dequantized bf16 weight
@@ -184,10 +188,16 @@ def stream_specs(t: int, sm: int, cc_major: int) -> list[tuple[str, tuple]]:
     # grid sensitivity (half and twice the one-wave grid) and the table decode, on the planned tile
     out.append(("stream-plan-half-grid", ("stream", plan.tile, max(1, plan.ctas // 2), shift)))
     out.append(("stream-plan-2waves", ("stream", plan.tile, 2 * plan.ctas, shift)))
+    out.append(("stream-plan-nodecode", ("stream", plan.tile, plan.ctas, gs.DECODE_COPY)))
     # The table decode needs ~255 registers (benchmarks/gemv_sass_counts.py): 2 CTAs per SM are one wave.
     out.append(("stream-plan-table", ("stream", plan.tile, 2 * sm // -(-t // plan.tile.block_t),
                                       gs.DECODE_PORTABLE)))
     return out
+
+
+def is_probe(spec) -> bool:
+    """A timing probe (the streaming kernel without its decode): no result to check."""
+    return spec[0] == "stream" and spec[3] in gs.PROBE_DECODE_NAMES
 
 
 def stream_name(tile) -> str:
@@ -264,7 +274,8 @@ def _probe_gemlite(shapes, tokens, mode):
 # The sweep
 # ---------------------------------------------------------------------------------------------------------------
 def selected(name: str, patterns: list[str] | None) -> bool:
-    return patterns is None or any(p in name for p in patterns)
+    """``name`` contains one of the patterns, or equals one that ends in ``$`` (``stream-plan$``: the plan alone)."""
+    return patterns is None or any(p[:-1] == name if p.endswith("$") else p in name for p in patterns)
 
 
 def check(name, got, want, failures) -> bool:
@@ -354,7 +365,9 @@ def sweep(args) -> dict:
                 if not selected(name, patterns):
                     continue
                 run = make_runner(spec, n, k, dev)
-                if not check(f"{model}/{layer} T={t} {name}", run(x, *ws[0], dec_rows), want, failures):
+                if is_probe(spec):  # nothing to check: run once, then time
+                    run(x, *ws[0], dec_rows)
+                elif not check(f"{model}/{layer} T={t} {name}", run(x, *ws[0], dec_rows), want, failures):
                     continue
                 sec = time_graph(lambda: [run(x, c, s, dec_rows) for c, s in ws], args.repeats) / copies
                 rows.append(_row(model, layer, n, k, t, name, sec, wbytes, dram, spec))
@@ -439,7 +452,8 @@ def _row(model, layer, n, k, t, name, sec, nbytes, dram, spec):
     row = {"model": model, "layer": layer, "n": n, "k": k, "t": t, "kernel": name, "us": sec * 1e6,
            "tbs": nbytes / sec / 1e12, "frac": nbytes / sec / 1e12 / dram}
     if spec is not None and spec[0] == "stream":
-        row["tile"], row["ctas"], row["decode"] = str(spec[1]), spec[2], gs.DECODE_NAMES[spec[3]]
+        decodes = gs.DECODE_NAMES | gs.PROBE_DECODE_NAMES
+        row["tile"], row["ctas"], row["decode"] = str(spec[1]), spec[2], decodes[spec[3]]
     print(f"{model:14} {layer:8} {n:6}x{k:<6} T={t:<3} {name:32} {row['us']:8.1f} us {row['tbs']:5.2f} TB/s "
           f"{row['frac']:5.2f}", flush=True)
     return row
@@ -490,7 +504,7 @@ def main(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for linear_decode.json")
     p.add_argument("--shapes", type=lambda s: s.split(","), help="substrings of model/layer, e.g. qwen3-32b/down")
     p.add_argument("--t", type=lambda s: [int(v) for v in s.split(",")], default=list(TOKENS))
-    p.add_argument("--candidates", type=lambda s: s.split(","), help="substrings of candidate names")
+    p.add_argument("--candidates", type=lambda s: s.split(","), help="substrings of candidate names (NAME$: that name only)")
     p.add_argument("--min-bytes", type=float, default=2e9)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="parallel compile processes")

@@ -49,8 +49,12 @@ def test_candidates(t, cc_major):
     specs = sweep.stream_specs(t, 132, cc_major)
     names = [name for name, _ in specs]
     assert len(names) == len(set(names)) and names[0] == "stream-plan"
-    for _, (kind, tile, ctas, decode) in specs:
-        assert kind == "stream" and ctas >= 1 and decode in gs.DECODE_NAMES
+    for name, (kind, tile, ctas, decode) in specs:
+        assert kind == "stream" and ctas >= 1
+        # the one timing probe (no decode, nothing to check) is named as such; every other candidate is checked
+        assert (decode in gs.PROBE_DECODE_NAMES) == (name == "stream-plan-nodecode") == sweep.is_probe(specs[
+            names.index(name)][1])
+        assert decode in gs.DECODE_NAMES or decode == gs.DECODE_COPY
         assert tile in gs.STREAM_TILES or tile in sweep.SPILL_PROBE_TILES or tile in gs.DEEP_PREFETCH_TILES
     # every listed tile of the token block is a candidate, on its one-wave grid
     block_t = 8 if t <= 8 else 16
@@ -68,6 +72,10 @@ def test_candidates(t, cc_major):
     assert set(deep) == {tile for tile in gs.DEEP_PREFETCH_TILES if tile.block_t == block_t} and deep
     assert all(ctas == sweep.capped_wave_ctas(tile, t, 132) for tile, ctas in deep.items())
     assert sweep.selected("stream-plan", ["plan"]) and not sweep.selected("gemlite", ["stream"])
+    assert sweep.selected("stream-plan", ["stream-plan$"]) and not sweep.selected("stream-plan-2waves", ["stream-plan$"])
+    # the probe runs the planned tile on the planned grid
+    plan_spec, probe_spec = specs[0][1], specs[names.index("stream-plan-nodecode")][1]
+    assert probe_spec[1:3] == plan_spec[1:3] and probe_spec[3] == gs.DECODE_COPY
 
 
 def test_summary_table():

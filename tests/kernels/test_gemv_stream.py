@@ -605,6 +605,36 @@ def test_other_decodes_and_fp16_compile(arch, decode, dtype):
         assert main_loop(rep.sass).count("PRMT") >= (10 if dtype == "bf16" else 8) * words_per_iteration(tile)
 
 
+@pytest.mark.compile
+def test_nodecode_probe_is_the_plan_tile_without_its_decode():
+    """The timing probe (DECODE_COPY) must differ from the shift decode by the decode alone, or what it measures is
+    not the decode's cost: the same loads, scale multiplies, MMAs and register cap, none of the decode's masks and
+    multiplies and no activation repack."""
+    tile = gs.StreamTile(32, 8, max_regs=128)
+    probe = compile_stream(tile, arch=90, decode=gs.DECODE_COPY).require_no_local()
+    plan = compile_stream(tile, arch=90, decode=gs.DECODE_SHIFT)
+    p, s = main_loop(probe.sass), main_loop(plan.sass)
+    words = words_per_iteration(tile)
+    for op in (r"LDG\.E.*", r"HMMA\..*", r"H(MUL|FMA)2\..*"):
+        assert p.count(op) == s.count(op) > 0, (op, p.ops, s.ops)
+    assert p.count(r"IMAD\.HI\.U32") == 0 and s.count(r"IMAD\.HI\.U32") == words
+    assert p.count(r"LOP3\.LUT") <= 16 and p.count("PRMT") < s.count("PRMT")
+    # The decode is 13 per word and the repack ~1.2; the probe's chained multiplies bring ~3.7 register moves per word
+    # back (14.5 against 25.2 per word for this tile today), so it measures the plan less ~10 instructions per word.
+    assert s.total - p.total >= 10 * words, (p.total / words, s.total / words)
+    print(f"sm_90 main loop per code word: shift {s.total / words:.1f}, no-decode probe {p.total / words:.1f}")
+
+
+def test_nodecode_probe_is_not_a_plan_decode():
+    """Plans and configs name decodes from DECODE_NAMES; the probe is outside it, and the launchers' check takes it
+    as well as the real decodes and refuses anything else."""
+    assert gs.DECODE_COPY not in gs.DECODE_NAMES and set(gs.PROBE_DECODE_NAMES) == {gs.DECODE_COPY}
+    for d in (*gs.DECODE_NAMES, gs.DECODE_COPY):
+        gs.check_stream_decode(d)
+    with pytest.raises(ValueError, match="decode: expected one of"):
+        gs.check_stream_decode(7)
+
+
 OVERLAP_TILES = [t for t in gs.STREAM_TILES if t.overlap_runs]
 
 

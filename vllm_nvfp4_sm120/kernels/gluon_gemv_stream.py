@@ -38,6 +38,10 @@ word's block scale (one ``fma.rn.{bf16,f16}x2`` per pair; exact, e2m1 x e4m3 has
     DECODE_CVT (sm_100a/sm_120a): the native ``cvt.rn.{bf16,f16}x2.e2m1x2``, pairs = the two nibbles of a byte;
     the scale pairs from ``cvt.rn.{bf16,f16}x2.e4m3x2``, two scale bytes per convert (:data:`SCALE_PAIRS_E4M3_ASM`).
     DECODE_PORTABLE: the exact lop3/prmt table of :mod:`.gluon_gemv`, pairs = the nibbles of a byte.
+    DECODE_COPY (a timing probe, never a result): no decode, each of the four pairs is the code word itself (the
+    scale multiply, the loads, the MMAs and the cross-CTA sums stay); the output is meaningless.  Beside the plan on
+    the same layer it measures what the decode's instructions cost, i.e. whether the loop waits on its issue or on
+    its bytes.  Only the benchmarks pass it: it is not in :data:`DECODE_NAMES`, so no table or config can name it.
 
 k permutation (as in gemv_mma): the MMA's k index is a relabelling of memory k within each 128-k block chosen so
 that one 16-byte load per row and lane, and the lane's 32 contiguous activations, land in the mma_v2 operand
@@ -66,6 +70,8 @@ from .launch import StreamCounters  # noqa: F401 (the ready launch's counters; r
 
 DECODE_SHIFT = 2
 DECODE_NAMES = {DECODE_CVT: "cvt", DECODE_PORTABLE: "portable", DECODE_SHIFT: "shift"}
+DECODE_COPY = 3  # the timing probe above: launchers take it, DECODE_NAMES (what plans and configs may name) does not
+PROBE_DECODE_NAMES = {DECODE_COPY: "copy"}
 
 # ---------------------------------------------------------------------------------------------------------------
 # Decode + scale: one 32-bit code word in ($4) and the scale pair (s, s) in ($5) -> four pairs ($0..$3).
@@ -90,9 +96,20 @@ def _writing_d(asm: str) -> str:
     return asm + " "
 
 
+
+
+def _copy_asm(fmt: str) -> str:
+    """The probe: the word times the scale pair, four times, each product added to the one before (equal
+    multiplies would be merged into one, and the probe would drop 3 of the 4 scale multiplies with the decode)."""
+    return ("{ .reg .b32 z; mov.b32 z, 0x80008000; " + f"fma.rn.{fmt}x2 $0, $4, $5, z; "
+            + "".join(f"fma.rn.{fmt}x2 ${i}, $4, $5, ${i - 1}; " for i in range(1, 4)) + "}")
+
+
 SCALED_E2M1_ASM = {
     ("shift", "bf16"): _with_scale(SHIFT_BF16_BODY, "bf16"),
     ("shift", "f16"): _with_scale(SHIFT_F16_BODY, "f16"),
+    ("copy", "bf16"): _copy_asm("bf16"),
+    ("copy", "f16"): _copy_asm("f16"),
     **{(kind, fmt): _with_scale(_writing_d(E2M1_ASM[(kind, fmt)]), fmt)
        for kind in ("portable", "cvt") for fmt in ("bf16", "f16")},
 }
@@ -116,6 +133,8 @@ if HAS_GLUON:
     _ASM_PORTABLE_F16 = gl.constexpr(SCALED_E2M1_ASM[("portable", "f16")])
     _ASM_CVT_BF16 = gl.constexpr(SCALED_E2M1_ASM[("cvt", "bf16")])
     _ASM_CVT_F16 = gl.constexpr(SCALED_E2M1_ASM[("cvt", "f16")])
+    _ASM_COPY_BF16 = gl.constexpr(SCALED_E2M1_ASM[("copy", "bf16")])
+    _ASM_COPY_F16 = gl.constexpr(SCALED_E2M1_ASM[("copy", "f16")])
     _ASM_PAIR_BF16 = gl.constexpr(SCALE_PAIR_ASM["bf16"])
     _ASM_PAIR_F16 = gl.constexpr(SCALE_PAIR_ASM["f16"])
     _ASM_E4M3_PAIRS_BF16 = gl.constexpr(SCALE_PAIRS_E4M3_ASM["bf16"])
@@ -345,6 +364,11 @@ if HAS_GLUON:
                 o = gl.inline_asm_elementwise(_ASM_PORTABLE_F16, _C, [words, s_pair], [gl.int32] * 4, True, 1)
             else:
                 o = gl.inline_asm_elementwise(_ASM_PORTABLE_BF16, _C, [words, s_pair], [gl.int32] * 4, True, 1)
+        elif DECODE == 3:  # DECODE_COPY, the timing probe
+            if F16:
+                o = gl.inline_asm_elementwise(_ASM_COPY_F16, _C, [words, s_pair], [gl.int32] * 4, True, 1)
+            else:
+                o = gl.inline_asm_elementwise(_ASM_COPY_BF16, _C, [words, s_pair], [gl.int32] * 4, True, 1)
         else:
             if F16:
                 o = gl.inline_asm_elementwise(_ASM_CVT_F16, _C, [words, s_pair], [gl.int32] * 4, True, 1)
@@ -755,8 +779,7 @@ def gemv_stream(x, w_codes, w_scales, w_dec_rows, *, tile: StreamTile, ctas: int
     if (done := trivial_linear_output(out, k, w_dec_rows, bias)) is not None:
         return done
     decode = default_stream_decode(x.device, x.dtype) if decode is None else decode
-    if decode not in DECODE_NAMES:
-        raise ValueError(f"decode: expected one of {sorted(DECODE_NAMES)}, got {decode}")
+    check_stream_decode(decode)
     grid = stream_grid(t, n, k, tile, ctas)
     if workspace is None:
         workspace = StreamWorkspace.for_grid(grid, tile, x.device)
@@ -783,8 +806,7 @@ def prepare_gemv_stream(t: int, n: int, k: int, device, dtype, *, tile: StreamTi
     from .launch import ReadyKernel
 
     decode = default_stream_decode(torch.device(device), dtype) if decode is None else decode
-    if decode not in DECODE_NAMES:
-        raise ValueError(f"decode: expected one of {sorted(DECODE_NAMES)}, got {decode}")
+    check_stream_decode(decode)
     grid = stream_grid(t, n, k, tile, ctas)
     partials = grid.partials_numel(tile)
     counters = StreamCounters(grid.counters_numel, device)
@@ -800,6 +822,12 @@ def prepare_gemv_stream(t: int, n: int, k: int, device, dtype, *, tile: StreamTi
 
     run.counters = counters  # for tests and diagnostics
     return run
+
+
+def check_stream_decode(decode: int) -> None:
+    """A launcher's ``decode``: a real decode or the timing probe (:data:`DECODE_COPY`)."""
+    if decode not in DECODE_NAMES and decode not in PROBE_DECODE_NAMES:
+        raise ValueError(f"decode: expected one of {sorted(DECODE_NAMES | PROBE_DECODE_NAMES)}, got {decode}")
 
 
 def default_stream_decode(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> int:
