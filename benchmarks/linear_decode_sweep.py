@@ -25,6 +25,8 @@ Candidates (``--candidates`` keeps those whose name contains one of the given su
   gemlite             gemlite's NVFP4 weight-only layer on the same codes and scales (when importable)
   read-only           a plain Triton kernel that only reads codes + scales (xor-ed as integers): the ceiling
                       of this access pattern, i.e. how fast the bytes can arrive
+  read-only-w16/-w32  the same at 64 / 128 bytes of a row per load instruction (the streaming kernel's warps load
+                      64 bytes of each of 8 rows per instruction): what the narrower pattern costs by itself
   read-only-tma       the same bytes through TMA boxes and a software pipeline (sm_90+; TMA_READ_CONFIGS): how
                       fast they can arrive when the bytes in flight live in shared memory, not registers
 Compiles: K is a constexpr of gluon-today (one compile per K and tile, 30-70 s each at K = 25600 / 28672), so all
@@ -102,6 +104,12 @@ def read_only(codes, scales, out, block_m=32, block_w=128, split=1):
     _read_only_kernel[grid](codes.view(torch.int32), scales.view(torch.uint8).view(torch.int32), out, n, words,
                             swords, split_w, split_s, BLOCK_M=block_m, BLOCK_W=block_w, num_warps=4)
     return out
+
+
+# The read-only kernel's widths: 128 words (512 bytes of a row per load instruction, a warp on one row) is the
+# ceiling; 16 words (64 bytes of each of 8 rows per instruction, 4 lanes per row) is how the streaming kernel's warps
+# load (a step: 64 bytes of each row), 32 words between the two.  Same grids, same bytes.
+READ_ONLY_WIDTHS = ((128, "read-only"), (32, "read-only-w32"), (16, "read-only-w16"))
 
 
 # The same ceiling with the bytes brought in by TMA (sm_90+): boxes of [BLOCK_M rows, BLOCK_W words] into shared
@@ -403,18 +411,20 @@ def sweep(args) -> dict:
                         row["max_diff_vs_split_model_over_max_ref"] = float(
                             (got.float() - model_out.float()).abs().max()) / top
                         rows.append(row)
-        if selected("read-only", patterns):  # independent of T
+        for words, prefix in READ_ONLY_WIDTHS:  # independent of T
+            if not selected(prefix, patterns):
+                continue
             best = None
             for bm, split in ((32, 1), (16, max(1, 8 * sm * 16 // n)), (64, max(1, 4 * sm * 64 // n))):
                 out = torch.empty(triton.cdiv(n, bm) * split, dtype=torch.int32, device=dev)
-                got = xor_words(read_only(ws[0][0], ws[0][1], out, block_m=bm, split=split))
+                got = xor_words(read_only(ws[0][0], ws[0][1], out, block_m=bm, block_w=words, split=split))
                 if got != read_only_expected(base.codes, base.scales, bm):
-                    failures.append(f"{model}/{layer} read-only bm={bm}: xor {got:#x} is wrong")
+                    failures.append(f"{model}/{layer} {prefix} bm={bm}: xor {got:#x} is wrong")
                     continue
-                sec = time_graph(lambda: [read_only(c, s, out, block_m=bm, split=split) for c, s in ws],
-                                 args.repeats) / copies
+                sec = time_graph(lambda: [read_only(c, s, out, block_m=bm, block_w=words, split=split)
+                                          for c, s in ws], args.repeats) / copies
                 if best is None or sec < best[0]:
-                    best = (sec, f"read-only (rows {bm}, split {split})")
+                    best = (sec, f"{prefix} (rows {bm}, split {split})")
             if best:
                 for t in tokens:
                     rows.append(_row(model, layer, n, k, t, best[1], best[0], wbytes, dram, None))

@@ -19,14 +19,15 @@ _spec.loader.exec_module(sweep)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU tensors)")
+@pytest.mark.parametrize("words", [w for w, _ in sweep.READ_ONLY_WIDTHS])
 @pytest.mark.parametrize("n,k,block_m,split", [(37, 1024, 32, 1), (64, 512, 16, 3), (5, 256, 64, 2)])
-def test_read_only_kernel_reads_every_byte(gen, n, k, block_m, split):
+def test_read_only_kernel_reads_every_byte(gen, n, k, block_m, split, words):
     w = random_nvfp4((n, k), gen=gen)
     out = torch.empty(-(-n // block_m) * split, dtype=torch.int32)
-    got = sweep.xor_words(sweep.read_only(w.codes, w.scales, out, block_m=block_m, split=split))
+    got = sweep.xor_words(sweep.read_only(w.codes, w.scales, out, block_m=block_m, block_w=words, split=split))
     assert got == sweep.read_only_expected(w.codes, w.scales, block_m)
     w.codes[n // 2, 3] ^= 1  # one flipped bit anywhere changes the result
-    got2 = sweep.xor_words(sweep.read_only(w.codes, w.scales, out, block_m=block_m, split=split))
+    got2 = sweep.xor_words(sweep.read_only(w.codes, w.scales, out, block_m=block_m, block_w=words, split=split))
     assert got2 == got ^ (1 << 24)
 
 
