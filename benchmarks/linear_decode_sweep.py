@@ -15,7 +15,7 @@ Candidates (``--candidates`` keeps those whose name contains one of the given su
                       warps, row warps, register cap; ``...ov``: the runs overlapped), each on its one-wave grid;
                       the planned tile on half and twice that grid; the lop3/prmt decode (``-table``);
                       ``...-spill``: SPILL_PROBE_TILES, more CTAs per SM at caps that spill outside the loop;
-                      ``...pf2``: two steps loaded ahead;
+                      ``...pf2``: two steps loaded ahead; ``...w8r1...``: WIDE_STEP_TILES, 8 warps over K;
                       ``stream-plan-nodecode``: the planned tile and grid with the decode left out
                       (gluon_gemv_stream.DECODE_COPY, a timing probe: its output is meaningless and not checked),
                       i.e. what the plan would take if its decode cost no instructions
@@ -170,6 +170,13 @@ SPILL_PROBE_TILES = (
 )
 
 
+# Sweep-only tiles of 8 warps over K: each warp's step is the 4-warp tile's (the same loop, 117 / 92 registers on sm_90,
+# no stack), but a CTA's step covers 512 bytes of each of its rows instead of 256: do wider runs of a row per CTA step
+# bring the bytes faster (the read-only ceiling reads 512 bytes of a row per load instruction)?  16 warps per SM, as the
+# plan.
+WIDE_STEP_TILES = (gs.StreamTile(32, 8, 8, 1, max_regs=128), gs.StreamTile(16, 8, 8, 1, max_regs=96))
+
+
 def capped_wave_ctas(tile, t: int, sm: int) -> int:
     """The one-wave grid of a tile outside TILE_REGISTERS, from its register cap (an upper bound of its registers)."""
     return max(1, ctas_per_sm(tile.max_regs, tile.num_warps) * sm // -(-t // tile.block_t))
@@ -189,7 +196,7 @@ def stream_specs(t: int, sm: int, cc_major: int) -> list[tuple[str, tuple]]:
     # Unlisted tiles, each on its cap's one-wave grid: the spill probes (more CTAs per SM than any listed tile, at
     # caps that spill a few values outside the main loop, which the compile proof refuses for the table: do more
     # warps per SM pay at all?) and the two-steps-ahead tiles (not listed: slower than the plan on most rows).
-    for tiles, suffix in ((SPILL_PROBE_TILES, "-spill"), (gs.DEEP_PREFETCH_TILES, "")):
+    for tiles, suffix in ((SPILL_PROBE_TILES, "-spill"), (gs.DEEP_PREFETCH_TILES, ""), (WIDE_STEP_TILES, "")):
         for tile in tiles:
             if tile.block_t == (8 if t <= 8 else 16):
                 out.append((stream_name(tile) + suffix, ("stream", tile, capped_wave_ctas(tile, t, sm), shift)))

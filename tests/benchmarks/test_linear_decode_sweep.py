@@ -56,7 +56,8 @@ def test_candidates(t, cc_major):
         assert (decode in gs.PROBE_DECODE_NAMES) == (name == "stream-plan-nodecode") == sweep.is_probe(specs[
             names.index(name)][1])
         assert decode in gs.DECODE_NAMES or decode == gs.DECODE_COPY
-        assert tile in gs.STREAM_TILES or tile in sweep.SPILL_PROBE_TILES or tile in gs.DEEP_PREFETCH_TILES
+        assert (tile in gs.STREAM_TILES or tile in sweep.SPILL_PROBE_TILES or tile in gs.DEEP_PREFETCH_TILES
+                or tile in sweep.WIDE_STEP_TILES)
     # every listed tile of the token block is a candidate, on its one-wave grid
     block_t = 8 if t <= 8 else 16
     tiles = {tile: ctas for name, (_, tile, ctas, _) in specs
@@ -74,6 +75,10 @@ def test_candidates(t, cc_major):
     assert all(ctas == sweep.capped_wave_ctas(tile, t, 132) for tile, ctas in deep.items())
     assert sweep.selected("stream-plan", ["plan"]) and not sweep.selected("gemlite", ["stream"])
     assert sweep.selected("stream-plan", ["stream-plan$"]) and not sweep.selected("stream-plan-2waves", ["stream-plan$"])
+    # the 8-warp tiles at T <= 8, on their caps' grids (2 CTAs of 8 warps per SM)
+    wide = {tile: ctas for name, (_, tile, ctas, _) in specs if "w8r1" in name}
+    assert set(wide) == (set(sweep.WIDE_STEP_TILES) if t <= 8 else set())
+    assert all(ctas == 2 * 132 for ctas in wide.values())
     # the probe runs the planned tile on the planned grid
     plan_spec, probe_spec = specs[0][1], specs[names.index("stream-plan-nodecode")][1]
     assert probe_spec[1:3] == plan_spec[1:3] and probe_spec[3] == gs.DECODE_COPY
