@@ -11,7 +11,8 @@ source .carry/env.sh
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout ${SWEEP_S:-400} python3 benchmarks/linear_decode_sweep.py --out $OUT --t 1,8 \
-  --candidates 'stream-plan$,stream-plan-nodecode,w8r1,read-only$,read-only-w' --min-bytes 1e9 --repeats 10 > $OUT/sweep.log 2>&1
+  --candidates 'stream-plan$,stream-plan-nodecode,w8r1,read-only$,read-only-w' --min-bytes 1e9 --repeats 10 \
+  > $OUT/sweep.log 2>&1
 echo "sweep rc $?"; grep -i "fail\|error" $OUT/sweep.log | head -5; cat $OUT/linear_decode.txt
 D=dns-m64t8-rw2-lc-c4
 timeout ${MOE_S:-150} python3 benchmarks/moe_decode_sweep.py --out $OUT/moe --tokens 4,8 --no-baseline --repeats 10 \
