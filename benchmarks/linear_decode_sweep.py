@@ -521,7 +521,8 @@ def main(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for linear_decode.json")
     p.add_argument("--shapes", type=lambda s: s.split(","), help="substrings of model/layer, e.g. qwen3-32b/down")
     p.add_argument("--t", type=lambda s: [int(v) for v in s.split(",")], default=list(TOKENS))
-    p.add_argument("--candidates", type=lambda s: s.split(","), help="substrings of candidate names (NAME$: that name only)")
+    p.add_argument("--candidates", type=lambda s: s.split(","),
+                   help="substrings of candidate names (NAME$: that name only)")
     p.add_argument("--min-bytes", type=float, default=2e9)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="parallel compile processes")

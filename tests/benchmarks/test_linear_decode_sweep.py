@@ -50,11 +50,11 @@ def test_candidates(t, cc_major):
     specs = sweep.stream_specs(t, 132, cc_major)
     names = [name for name, _ in specs]
     assert len(names) == len(set(names)) and names[0] == "stream-plan"
-    for name, (kind, tile, ctas, decode) in specs:
+    for name, spec in specs:
+        kind, tile, ctas, decode = spec
         assert kind == "stream" and ctas >= 1
         # the one timing probe (no decode, nothing to check) is named as such; every other candidate is checked
-        assert (decode in gs.PROBE_DECODE_NAMES) == (name == "stream-plan-nodecode") == sweep.is_probe(specs[
-            names.index(name)][1])
+        assert (decode in gs.PROBE_DECODE_NAMES) == (name == "stream-plan-nodecode") == sweep.is_probe(spec)
         assert decode in gs.DECODE_NAMES or decode == gs.DECODE_COPY
         assert (tile in gs.STREAM_TILES or tile in sweep.SPILL_PROBE_TILES or tile in gs.DEEP_PREFETCH_TILES
                 or tile in sweep.WIDE_STEP_TILES)
@@ -74,7 +74,8 @@ def test_candidates(t, cc_major):
     assert set(deep) == {tile for tile in gs.DEEP_PREFETCH_TILES if tile.block_t == block_t} and deep
     assert all(ctas == sweep.capped_wave_ctas(tile, t, 132) for tile, ctas in deep.items())
     assert sweep.selected("stream-plan", ["plan"]) and not sweep.selected("gemlite", ["stream"])
-    assert sweep.selected("stream-plan", ["stream-plan$"]) and not sweep.selected("stream-plan-2waves", ["stream-plan$"])
+    exact = ["stream-plan$"]
+    assert sweep.selected("stream-plan", exact) and not sweep.selected("stream-plan-2waves", exact)
     # the 8-warp tiles at T <= 8, on their caps' grids (2 CTAs of 8 warps per SM)
     wide = {tile: ctas for name, (_, tile, ctas, _) in specs if "w8r1" in name}
     assert set(wide) == (set(sweep.WIDE_STEP_TILES) if t <= 8 else set())

@@ -96,8 +96,6 @@ def _writing_d(asm: str) -> str:
     return asm + " "
 
 
-
-
 def _copy_asm(fmt: str) -> str:
     """The probe: the word times the scale pair, four times, each product added to the one before (equal
     multiplies would be merged into one, and the probe would drop 3 of the 4 scale multiplies with the decode)."""
