@@ -117,7 +117,8 @@ GATE_UP = {
 # list of the touched experts' row tiles; T <= block_t only).  Registers decide the CTAs per SM (sm_90 compiles with
 # an expert map: 32 x 8 160 registers, 3 CTAs; 16 x 8 122, 4; 32 x 16 176, 2).  Caps for one CTA more, 64 rows
 # and the 32-row 8-warp tile at <= 128 registers spill on sm_90 or sm_120 (compile check), so none of them is a
-# candidate; the 16-row 8-warp tile is (below).
+# candidate.  The 16-row 8-warp tile at 128 registers does not spill (2 CTAs of 8 warps per SM); in the layer on an
+# H100 (run 103) it was 1.10-1.31x slower than the table's gate_ups at T = 4 and 8 on the four shapes, and was dropped.
 STREAM_GATE_UP = {
     "gus-m32t8": MoeStreamTile(32, 8, ctas_per_sm=3),
     "gus-m16t8": MoeStreamTile(16, 8, ctas_per_sm=4),
@@ -127,10 +128,6 @@ STREAM_GATE_UP = {
     # 164 (6).
     "gus-m64t8-rw2": MoeStreamTile(64, 8, num_warps=4, row_warps=2, ctas_per_sm=3),
     "gus-m32t8-w2": MoeStreamTile(32, 8, num_warps=2, ctas_per_sm=6),
-    # Eight warps over K: a CTA's step covers 512 bytes of each of its 16 rows instead of 256 (the linear sweep's
-    # WIDE_STEP_TILES asks the same); 112-128 registers with an expert map, no stack on sm_90 or sm_120, 2 CTAs of 8
-    # warps per SM.
-    "gus-m16t8-w8": MoeStreamTile(16, 8, num_warps=8, max_regs=128, ctas_per_sm=2),
 }
 # 64-bit row pointers once per run ("-rp"): one wide multiply-add per load address instead of ~3.5 instructions,
 # 24.5 instead of 25.8 instructions per code word on sm_90 and 13.8 instead of 15.9 on sm_120, at 162-168 registers
