@@ -18,7 +18,9 @@ Candidates (``--candidates`` keeps those whose name contains one of the given su
                       ``...pf2``: two steps loaded ahead; ``...w8r1...``: WIDE_STEP_TILES, 8 warps over K;
                       ``stream-plan-nodecode``: the planned tile and grid with the decode left out
                       (gluon_gemv_stream.DECODE_COPY, a timing probe: its output is meaningless and not checked),
-                      i.e. what the plan would take if its decode cost no instructions
+                      i.e. what the plan would take if its decode cost no instructions;
+                      ``stream-plan-raw``: the same without the scale arithmetic too (gluon_gemv_stream.DECODE_RAW):
+                      the plan's loads, MMAs, loop and cross-CTA sums alone
   stream-2x8          T > 8 as two 8-token tiles (two passes over the weight in one launch)
   gluon-today         gluon_gemv.gemv_fma / gemv_mma with the tile the dispatch routes today
   cublas-bf16         x @ W^T on the dequantized bf16 weight
@@ -204,6 +206,7 @@ def stream_specs(t: int, sm: int, cc_major: int) -> list[tuple[str, tuple]]:
     out.append(("stream-plan-half-grid", ("stream", plan.tile, max(1, plan.ctas // 2), shift)))
     out.append(("stream-plan-2waves", ("stream", plan.tile, 2 * plan.ctas, shift)))
     out.append(("stream-plan-nodecode", ("stream", plan.tile, plan.ctas, gs.DECODE_COPY)))
+    out.append(("stream-plan-raw", ("stream", plan.tile, plan.ctas, gs.DECODE_RAW)))
     # The table decode needs ~255 registers (benchmarks/gemv_sass_counts.py): 2 CTAs per SM are one wave.
     out.append(("stream-plan-table", ("stream", plan.tile, 2 * sm // -(-t // plan.tile.block_t),
                                       gs.DECODE_PORTABLE)))
@@ -211,7 +214,8 @@ def stream_specs(t: int, sm: int, cc_major: int) -> list[tuple[str, tuple]]:
 
 
 def is_probe(spec) -> bool:
-    """A timing probe (the streaming kernel without its decode): no result to check."""
+    """A timing probe (the streaming kernel without its decode, or without its scale arithmetic too): no result to
+    check."""
     return spec[0] == "stream" and spec[3] in gs.PROBE_DECODE_NAMES
 
 

@@ -53,9 +53,10 @@ def test_candidates(t, cc_major):
     for name, spec in specs:
         kind, tile, ctas, decode = spec
         assert kind == "stream" and ctas >= 1
-        # the one timing probe (no decode, nothing to check) is named as such; every other candidate is checked
-        assert (decode in gs.PROBE_DECODE_NAMES) == (name == "stream-plan-nodecode") == sweep.is_probe(spec)
-        assert decode in gs.DECODE_NAMES or decode == gs.DECODE_COPY
+        # the timing probes (nothing to check) are named as such; every other candidate is checked
+        probes = {"stream-plan-nodecode": gs.DECODE_COPY, "stream-plan-raw": gs.DECODE_RAW}
+        assert (decode in gs.PROBE_DECODE_NAMES) == (name in probes) == sweep.is_probe(spec)
+        assert decode == probes[name] if name in probes else decode in gs.DECODE_NAMES
         assert (tile in gs.STREAM_TILES or tile in sweep.SPILL_PROBE_TILES or tile in gs.DEEP_PREFETCH_TILES
                 or tile in sweep.WIDE_STEP_TILES)
     # every listed tile of the token block is a candidate, on its one-wave grid
@@ -80,9 +81,9 @@ def test_candidates(t, cc_major):
     wide = {tile: ctas for name, (_, tile, ctas, _) in specs if "w8r1" in name}
     assert set(wide) == (set(sweep.WIDE_STEP_TILES) if t <= 8 else set())
     assert all(ctas == 2 * 132 for ctas in wide.values())
-    # the probe runs the planned tile on the planned grid
-    plan_spec, probe_spec = specs[0][1], specs[names.index("stream-plan-nodecode")][1]
-    assert probe_spec[1:3] == plan_spec[1:3] and probe_spec[3] == gs.DECODE_COPY
+    # the probes run the planned tile on the planned grid
+    for probe in ("stream-plan-nodecode", "stream-plan-raw"):
+        assert specs[names.index(probe)][1][1:3] == specs[0][1][1:3]
 
 
 def test_summary_table():

@@ -42,6 +42,9 @@ word's block scale (one ``fma.rn.{bf16,f16}x2`` per pair; exact, e2m1 x e4m3 has
     scale multiply, the loads, the MMAs and the cross-CTA sums stay); the output is meaningless.  Beside the plan on
     the same layer it measures what the decode's instructions cost, i.e. whether the loop waits on its issue or on
     its bytes.  Only the benchmarks pass it: it is not in :data:`DECODE_NAMES`, so no table or config can name it.
+    DECODE_RAW (the same kind of probe, one step further): no decode and no scale arithmetic either; the pairs are
+    the word three times and the word plus its raw scale byte pair once (one integer add, which keeps the scale
+    loads), so what is left is the loads, the MMAs, the loop and the cross-CTA sums.
 
 k permutation (as in gemv_mma): the MMA's k index is a relabelling of memory k within each 128-k block chosen so
 that one 16-byte load per row and lane, and the lane's 32 contiguous activations, land in the mma_v2 operand
@@ -70,8 +73,9 @@ from .launch import StreamCounters  # noqa: F401 (the ready launch's counters; r
 
 DECODE_SHIFT = 2
 DECODE_NAMES = {DECODE_CVT: "cvt", DECODE_PORTABLE: "portable", DECODE_SHIFT: "shift"}
-DECODE_COPY = 3  # the timing probe above: launchers take it, DECODE_NAMES (what plans and configs may name) does not
-PROBE_DECODE_NAMES = {DECODE_COPY: "copy"}
+DECODE_COPY = 3  # the timing probes above: launchers take them, DECODE_NAMES (what plans and configs may name) does not
+DECODE_RAW = 4
+PROBE_DECODE_NAMES = {DECODE_COPY: "copy", DECODE_RAW: "raw"}
 
 # ---------------------------------------------------------------------------------------------------------------
 # Decode + scale: one 32-bit code word in ($4) and the scale pair (s, s) in ($5) -> four pairs ($0..$3).
@@ -110,8 +114,9 @@ SCALED_E2M1_ASM = {
        for kind in ("portable", "cvt") for fmt in ("bf16", "f16")},
 }
 SCALED_E2M1_CONSTRAINTS = "=r,=r,=r,=r,r,r"
-# The timing probe's asm (not a decode: apart from SCALED_E2M1_ASM, whose entries the tests check bit for bit).
+# The timing probes' asm (not decodes: apart from SCALED_E2M1_ASM, whose entries the tests check bit for bit).
 COPY_PROBE_ASM = {fmt: _copy_asm(fmt) for fmt in ("bf16", "f16")}
+RAW_PROBE_ASM = "mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; add.u32 $3, $4, $5;"
 # The scale pair: one fp32 scale -> (s, s) as two 16-bit floats in one register (exact: e4m3 fits both).
 SCALE_PAIR_ASM = {"bf16": "cvt.rn.bf16x2.f32 $0, $1, $1;", "f16": "cvt.rn.f16x2.f32 $0, $1, $1;"}
 # With DECODE_CVT (sm_100+ / sm_120, PTX ISA >= 9.2): a lane's two scale bytes of a row (packed in $2) -> their two
@@ -133,6 +138,7 @@ if HAS_GLUON:
     _ASM_CVT_F16 = gl.constexpr(SCALED_E2M1_ASM[("cvt", "f16")])
     _ASM_COPY_BF16 = gl.constexpr(COPY_PROBE_ASM["bf16"])
     _ASM_COPY_F16 = gl.constexpr(COPY_PROBE_ASM["f16"])
+    _ASM_RAW = gl.constexpr(RAW_PROBE_ASM)
     _ASM_PAIR_BF16 = gl.constexpr(SCALE_PAIR_ASM["bf16"])
     _ASM_PAIR_F16 = gl.constexpr(SCALE_PAIR_ASM["f16"])
     _ASM_E4M3_PAIRS_BF16 = gl.constexpr(SCALE_PAIRS_E4M3_ASM["bf16"])
@@ -362,11 +368,13 @@ if HAS_GLUON:
                 o = gl.inline_asm_elementwise(_ASM_PORTABLE_F16, _C, [words, s_pair], [gl.int32] * 4, True, 1)
             else:
                 o = gl.inline_asm_elementwise(_ASM_PORTABLE_BF16, _C, [words, s_pair], [gl.int32] * 4, True, 1)
-        elif DECODE == 3:  # DECODE_COPY, the timing probe
+        elif DECODE == 3:  # DECODE_COPY, a timing probe
             if F16:
                 o = gl.inline_asm_elementwise(_ASM_COPY_F16, _C, [words, s_pair], [gl.int32] * 4, True, 1)
             else:
                 o = gl.inline_asm_elementwise(_ASM_COPY_BF16, _C, [words, s_pair], [gl.int32] * 4, True, 1)
+        elif DECODE == 4:  # DECODE_RAW, a timing probe (s_pair: the raw scale bytes)
+            o = gl.inline_asm_elementwise(_ASM_RAW, _C, [words, s_pair], [gl.int32] * 4, True, 1)
         else:
             if F16:
                 o = gl.inline_asm_elementwise(_ASM_CVT_F16, _C, [words, s_pair], [gl.int32] * 4, True, 1)
@@ -389,7 +397,9 @@ if HAS_GLUON:
         F16: gl.constexpr = DT == gl.float16
         # Codes [W, BMW, 16 words] seen as [W, BMW, 8 scale groups, 2 words] to pair each word with its scale.
         w4 = gl.convert_layout(words.reshape([WARPS, BMW, 8, 2]), W4, assert_trivial=True)
-        if DECODE == 0:  # DECODE_CVT: the scale bytes converted two at a time
+        if DECODE == 4:  # DECODE_RAW: the scale bytes as they are (a probe; no scale arithmetic)
+            sp = sc.to(gl.int32)
+        elif DECODE == 0:  # DECODE_CVT: the scale bytes converted two at a time
             if F16:
                 sp = gl.inline_asm_elementwise(_ASM_E4M3_PAIRS_F16, "=r,=r,r", [sc], gl.int32, True, 2)
             else:
