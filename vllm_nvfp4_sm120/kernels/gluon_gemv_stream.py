@@ -43,8 +43,8 @@ word's block scale (one ``fma.rn.{bf16,f16}x2`` per pair; exact, e2m1 x e4m3 has
     the same layer it measures what the decode's instructions cost, i.e. whether the loop waits on its issue or on
     its bytes.  Only the benchmarks pass it: it is not in :data:`DECODE_NAMES`, so no table or config can name it.
     DECODE_RAW (the same kind of probe, one step further): no decode and no scale arithmetic either; the pairs are
-    the word three times and the word plus its raw scale byte pair once (one integer add, which keeps the scale
-    loads), so what is left is the loads, the MMAs, the loop and the cross-CTA sums.
+    the word three times and the word plus its raw scale byte once (one integer add, which keeps the scale loads),
+    so what is left is the loads, the MMAs, the loop and the cross-CTA sums.
 
 k permutation (as in gemv_mma): the MMA's k index is a relabelling of memory k within each 128-k block chosen so
 that one 16-byte load per row and lane, and the lane's 32 contiguous activations, land in the mma_v2 operand
@@ -833,7 +833,7 @@ def prepare_gemv_stream(t: int, n: int, k: int, device, dtype, *, tile: StreamTi
 
 
 def check_stream_decode(decode: int) -> None:
-    """A launcher's ``decode``: a real decode or the timing probe (:data:`DECODE_COPY`)."""
+    """A launcher's ``decode``: a real decode (:data:`DECODE_NAMES`) or a timing probe (:data:`PROBE_DECODE_NAMES`)."""
     if decode not in DECODE_NAMES and decode not in PROBE_DECODE_NAMES:
         raise ValueError(f"decode: expected one of {sorted(DECODE_NAMES | PROBE_DECODE_NAMES)}, got {decode}")
 
