@@ -118,7 +118,7 @@ GATE_UP = {
 # an expert map: 32 x 8 160 registers, 3 CTAs; 16 x 8 122, 4; 32 x 16 176, 2).  Caps for one CTA more, 64 rows
 # and the 32-row 8-warp tile at <= 128 registers spill on sm_90 or sm_120 (compile check), so none of them is a
 # candidate.  The 16-row 8-warp tile at 128 registers does not spill (2 CTAs of 8 warps per SM); in the layer on an
-# H100 (run 103) it was 1.10-1.31x slower than the table's gate_ups at T = 4 and 8 on the four shapes, and was dropped.
+# H100 (run 103) it was 1.10-1.33x slower than the table's gate_ups at T = 4 and 8 on the four shapes, and was dropped.
 STREAM_GATE_UP = {
     "gus-m32t8": MoeStreamTile(32, 8, ctas_per_sm=3),
     "gus-m16t8": MoeStreamTile(16, 8, ctas_per_sm=4),
