@@ -23,6 +23,7 @@ from fractions import Fraction
 import pytest
 import torch
 from test_gluon_gemv import _prmt
+from test_moe_decode import load_benchmark
 
 from vllm_nvfp4_sm120.format import linear_w4a16_ref, make_linear, unit_values
 from vllm_nvfp4_sm120.kernels import gluon_gemv_stream as gs
@@ -654,24 +655,12 @@ def test_nodecode_probe_is_not_a_plan_decode():
         gs.check_stream_decode(7)
 
 
-def _sweep_module():
-    """benchmarks/linear_decode_sweep.py (a script, not a package module), for its sweep-only tiles."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "linear_decode_sweep.py"
-    spec = importlib.util.spec_from_file_location("linear_decode_sweep", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.compile
 @pytest.mark.parametrize("arch,decode", [(120, gs.DECODE_CVT), (90, gs.DECODE_SHIFT)])
 def test_wide_step_tiles_keep_the_plan_loop(arch, decode):
     """The sweep's 8-warp tiles (a CTA step over 512 bytes of each row) are the 4-warp plan tile with twice the
     warps over K: no stack, and the same main loop per code word."""
-    sweep = _sweep_module()
+    sweep = load_benchmark("linear_decode_sweep")
     plan = compile_stream(gs.StreamTile(32, 8, max_regs=128), arch=arch, decode=decode)
     for tile in sweep.WIDE_STEP_TILES:
         assert tile.num_warps == 8 and tile.block_t == 8

@@ -36,17 +36,16 @@ from vllm_nvfp4_sm120.kernels.moe_decode import (
 )
 
 
-def _load_sweep():
-    """benchmarks/moe_decode_sweep.py (a script, not a package): its candidate tiles are what the compile and GPU
-    tests cover."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_decode_sweep.py"
-    spec = importlib.util.spec_from_file_location("moe_decode_sweep", path)
+def load_benchmark(name: str):
+    """benchmarks/NAME.py (a script, not a package), for the candidate tiles the compile and GPU tests cover."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-SWEEP = _load_sweep()
+SWEEP = load_benchmark("moe_decode_sweep")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # Interpreter tiles: the smallest the kernels allow, so K and N tails and several K steps happen on tiny shapes.
