@@ -21,6 +21,10 @@ Candidates (``--candidates`` keeps those whose name contains one of the given su
                       i.e. what the plan would take if its decode cost no instructions;
                       ``stream-plan-raw``: the same without the scale arithmetic too (gluon_gemv_stream.DECODE_RAW):
                       the plan's loads, MMAs, loop and cross-CTA sums alone
+  stream-plan-loads   the plan's loads alone, on its grid, with its loop and cross-CTA sums (stream_loads_probe.py:
+                      one integer add per loaded word instead of decode, scales and MMAs; checked exactly);
+                      ``-nox``: without the activation loads (checked); ``-nosum``: without the cross-CTA sums
+                      (unchecked, its output is not written): what the streaming pattern itself lets the bytes do
   stream-2x8          T > 8 as two 8-token tiles (two passes over the weight in one launch)
   gluon-today         gluon_gemv.gemv_fma / gemv_mma with the tile the dispatch routes today
   cublas-bf16         x @ W^T on the dequantized bf16 weight
@@ -52,12 +56,14 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vllm_nvfp4_sm120.bench import MODELS, dram_read_tbs, time_graph, xor_words  # noqa: E402
 from vllm_nvfp4_sm120.dispatch.gemv_stream_plan import ctas_per_sm, stream_plan, wave_ctas  # noqa: E402
 from vllm_nvfp4_sm120.format import linear_w4a16_ref, random_nvfp4, unit_values  # noqa: E402
 from vllm_nvfp4_sm120.kernels import gluon_gemv  # noqa: E402
 from vllm_nvfp4_sm120.kernels import gluon_gemv_stream as gs  # noqa: E402
+from stream_loads_probe import stream_loads, stream_loads_expected  # noqa: E402 (beside this script)
 from vllm_nvfp4_sm120.peers import (  # noqa: E402
     check_gemlite,
     gemlite_config,
@@ -175,7 +181,8 @@ SPILL_PROBE_TILES = (
 # A sweep-only tile of 8 warps over K: each warp's step is the 4-warp plan tile's (the same loop, 117 registers on
 # sm_90, no stack), but a CTA's step covers 512 bytes of each of its rows instead of 256; 16 warps per SM, as the plan.
 # On an H100 (run 103) it was 1.02-1.08x the plan on Llama-3.3-70B's gate_up and down and 0.91-1.02x on the other
-# twelve rows, so it is not listed.  (Its 16-row twin at 96 registers was 1.02-1.41x slower on every row and was dropped.)
+# twelve rows, so it is not listed.  (Its 16-row twin at 96 registers was 1.02-1.41x slower on every row and was
+# dropped.)
 WIDE_STEP_TILES = (gs.StreamTile(32, 8, 8, 1, max_regs=128),)
 
 
@@ -207,6 +214,10 @@ def stream_specs(t: int, sm: int, cc_major: int) -> list[tuple[str, tuple]]:
     out.append(("stream-plan-2waves", ("stream", plan.tile, 2 * plan.ctas, shift)))
     out.append(("stream-plan-nodecode", ("stream", plan.tile, plan.ctas, gs.DECODE_COPY)))
     out.append(("stream-plan-raw", ("stream", plan.tile, plan.ctas, gs.DECODE_RAW)))
+    # The plan's loads alone on its grid (stream_loads_probe.py): ("loads", tile, ctas, activations, cross-CTA sums)
+    out.append(("stream-plan-loads", ("loads", plan.tile, plan.ctas, True, True)))
+    out.append(("stream-plan-loads-nox", ("loads", plan.tile, plan.ctas, False, True)))
+    out.append(("stream-plan-loads-nosum", ("loads", plan.tile, plan.ctas, True, False)))
     # The table decode needs ~255 registers (benchmarks/gemv_sass_counts.py): 2 CTAs per SM are one wave.
     out.append(("stream-plan-table", ("stream", plan.tile, 2 * sm // -(-t // plan.tile.block_t),
                                       gs.DECODE_PORTABLE)))
@@ -214,9 +225,16 @@ def stream_specs(t: int, sm: int, cc_major: int) -> list[tuple[str, tuple]]:
 
 
 def is_probe(spec) -> bool:
-    """A timing probe (the streaming kernel without its decode, or without its scale arithmetic too): no result to
-    check."""
-    return spec[0] == "stream" and spec[3] in gs.PROBE_DECODE_NAMES
+    """A timing probe with no result to check: the streaming kernel without its decode (or without its scale
+    arithmetic too), and the loads probe without its cross-CTA sums."""
+    return (spec[0] == "stream" and spec[3] in gs.PROBE_DECODE_NAMES) or (spec[0] == "loads" and not spec[4])
+
+
+def expected(spec, x, codes, scales, want):
+    """What a checked candidate must return: the reference product, or the loads probe's exact sums."""
+    if spec[0] == "loads":
+        return stream_loads_expected(x, codes, scales, spec[1], load_x=spec[3])
+    return want
 
 
 def stream_name(tile) -> str:
@@ -250,6 +268,17 @@ def make_runner(spec, n, k, device):
                 cache[grid] = gs.StreamWorkspace.for_grid(grid, tile, device)
             return gs.gemv_stream(x, codes, scales, dec_rows, tile=tile, ctas=ctas, decode=decode,
                                   workspace=cache[grid])
+        return run
+    if spec[0] == "loads":
+        _, tile, ctas, load_x, sums = spec
+        cache = {}
+
+        def run(x, codes, scales, dec_rows):
+            grid = gs.stream_grid(x.shape[0], n, k, tile, ctas)
+            if grid not in cache:
+                cache[grid] = gs.StreamWorkspace.for_grid(grid, tile, device)
+            return stream_loads(x, codes, scales, tile=tile, ctas=ctas, load_x=load_x, sums=sums,
+                                workspace=cache[grid])
         return run
     if spec[0] == "gluon":
         _, kind, tile = spec
@@ -297,9 +326,10 @@ def selected(name: str, patterns: list[str] | None) -> bool:
     return patterns is None or any(p[:-1] == name if p.endswith("$") else p in name for p in patterns)
 
 
-def check(name, got, want, failures) -> bool:
+def check(name, got, want, failures, exact=False) -> bool:
     try:
-        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-4)
+        torch.testing.assert_close(got, want, rtol=0, atol=0) if exact else torch.testing.assert_close(
+            got, want, rtol=1.6e-2, atol=1e-4)
         return True
     except AssertionError as e:
         failures.append(f"{name}: {str(e).splitlines()[0]} / {str(e).splitlines()[-1]}")
@@ -336,7 +366,12 @@ def sweep(args) -> dict:
     # K); gluon-today's include K; T = 1 is a JIT specialization of both.
     distinct = {}
     for spec, k, t in jobs:
-        key = (spec[1], spec[3]) if spec[0] == "stream" else (spec, k)
+        if spec[0] == "stream":
+            key = (spec[1], spec[3])
+        elif spec[0] == "loads":
+            key = spec[:2] + spec[3:]
+        else:
+            key = (spec, k)
         distinct.setdefault((key, t == 1), (spec, k, t))
     jobs = list(distinct.values())
     ctx = multiprocessing.get_context("spawn")
@@ -386,7 +421,8 @@ def sweep(args) -> dict:
                 run = make_runner(spec, n, k, dev)
                 if is_probe(spec):  # nothing to check: run once, then time
                     run(x, *ws[0], dec_rows)
-                elif not check(f"{model}/{layer} T={t} {name}", run(x, *ws[0], dec_rows), want, failures):
+                elif not check(f"{model}/{layer} T={t} {name}", run(x, *ws[0], dec_rows),
+                               expected(spec, x, base.codes, base.scales, want), failures, exact=spec[0] == "loads"):
                     continue
                 sec = time_graph(lambda: [run(x, c, s, dec_rows) for c, s in ws], args.repeats) / copies
                 rows.append(_row(model, layer, n, k, t, name, sec, wbytes, dram, spec))
@@ -475,6 +511,8 @@ def _row(model, layer, n, k, t, name, sec, nbytes, dram, spec):
     if spec is not None and spec[0] == "stream":
         decodes = gs.DECODE_NAMES | gs.PROBE_DECODE_NAMES
         row["tile"], row["ctas"], row["decode"] = str(spec[1]), spec[2], decodes[spec[3]]
+    elif spec is not None and spec[0] == "loads":
+        row["tile"], row["ctas"], row["decode"] = str(spec[1]), spec[2], "loads only"
     print(f"{model:14} {layer:8} {n:6}x{k:<6} T={t:<3} {name:32} {row['us']:8.1f} us {row['tbs']:5.2f} TB/s "
           f"{row['frac']:5.2f}", flush=True)
     return row
@@ -492,6 +530,10 @@ def stream_registers() -> dict:
     return out
 
 
+# The "decode" of a timing probe's row: never the best streaming candidate (its output is not a product).
+PROBE_ROW_DECODES = frozenset(gs.PROBE_DECODE_NAMES.values()) | {"loads only"}
+
+
 def summary(result: dict) -> str:
     """One line per (layer, T): best streaming candidate, today's kernel, cuBLAS, gemlite, the ceilings."""
     by = {}
@@ -502,7 +544,7 @@ def summary(result: dict) -> str:
              f"{'cuBLAS us (x)':>14} {'gemlite us (x)':>15} {'read-only TB/s':>15} {'TMA read TB/s':>14}"]
     for (model, layer, n, k, t), rs in by.items():
         pick = {r["kernel"]: r for r in rs}
-        streams = [r for r in rs if r["kernel"].startswith("stream")]
+        streams = [r for r in rs if r["kernel"].startswith("stream") and r.get("decode") not in PROBE_ROW_DECODES]
         best = min(streams, key=lambda r: r["us"]) if streams else None
         ours = best["us"] if best else float("nan")
 
