@@ -11,10 +11,10 @@ sizes); median over replays.  The gate_up and the down candidates are timed sepa
 variant are independent choices), then the best pair as a whole layer, today's path
 (``dispatch.moe_flow.nvfp4_moe``, the dispatch's W4A16 plan) in the same run, and the launch cost of a graph of two
 empty Triton kernels (with ``--read-ceiling``, also two launches that only read the touched experts' codes and
-scales: what a two-kernel layer cannot beat).  Floor = codes + scales bytes of the experts each call routes to /
-DRAM read bandwidth
-measured in the same run (``bench.dram_read_tbs``).  Rows go to ``$OUT/moe_decode.json``; a compact table prints
-last.  Runs without vLLM.
+scales: what a two-kernel layer cannot beat; with ``--loads-probe GATE_UP,DOWN``, the streaming kernels' walk over the
+routed experts with their loads alone, ``stream_loads_probe.py``: what their pattern lets the bytes do).  Floor =
+codes + scales bytes of the experts each call routes to / DRAM read bandwidth measured in the same run
+(``bench.dram_read_tbs``).  Rows go to ``$OUT/moe_decode.json``; a compact table prints last.  Runs without vLLM.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-# Run as a script from anywhere: the package is the repository's.
+# Run as a script from anywhere: the package is the repository's; the loads probe sits beside this script.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from vllm_nvfp4_sm120.kernels.moe_decode import (  # noqa: E402
     DecodeTile,
@@ -47,6 +48,7 @@ from vllm_nvfp4_sm120.kernels.moe_decode import (  # noqa: E402
 from vllm_nvfp4_sm120.kernels.gluon_moe_decode import MoeStreamTile, down_workspace_numel, moe_stream_down  # noqa: E402
 from vllm_nvfp4_sm120.kernels.moe_decode_fused import check_fused_tiles, fused_workspace, moe_decode_fused  # noqa: E402
 from vllm_nvfp4_sm120.bench import xor_words  # noqa: E402
+from stream_loads_probe import moe_stream_loads, moe_stream_loads_expected  # noqa: E402
 
 SHAPES = {  # name: (H, I, E, top_k)
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -499,6 +501,11 @@ def sweep(args) -> dict:
         raise SystemExit(f"--down: {fused} are the fused kernel's down items: time them in --pairs")
     if pairs and not args.gate_up and not args.down:  # only the pairs: no tile timed alone
         gate_names, down_names = [], []
+    loads_probe = tuple(args.loads_probe.split(",")) if args.loads_probe else None
+    if loads_probe and (len(loads_probe) != 2 or loads_probe[0] not in STREAM_GATE_UP
+                        or loads_probe[1] not in STREAM_DOWN):
+        raise SystemExit(f"--loads-probe: expected GATE_UP,DOWN of {list(STREAM_GATE_UP)} and {list(STREAM_DOWN)}, "
+                         f"got {args.loads_probe!r}")
     rows = []
     for shape in args.shapes.split(","):
         h, i, e, k = (SHAPES | EXTRA_SHAPES)[shape]
@@ -517,7 +524,7 @@ def sweep(args) -> dict:
         layers = [p for p in pairs if candidate_ok(ANY_GATE_UP[p[0]], h) and candidate_ok(ANY_DOWN[p[1]][2], i)]
         for t in [int(v) for v in args.tokens.split(",")]:
             rows.append(_point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_ref, NvFp4,
-                               nvfp4_moe, layers, args.read_ceiling))
+                               nvfp4_moe, layers, args.read_ceiling, loads_probe))
             print(_fmt(rows[-1]), flush=True)
         del banks
         if device.type == "cuda":
@@ -527,9 +534,10 @@ def sweep(args) -> dict:
 
 
 def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_ref, NvFp4, nvfp4_moe,
-           pairs=(), read_ceiling=False) -> dict:
+           pairs=(), read_ceiling=False, loads_probe=None) -> dict:
     """One (shape, T): check every candidate, time gate_up and down candidates alone, the best pair, the given
-    ``pairs`` as layers, today's path, and with ``read_ceiling`` the two reading launches of the touched experts."""
+    ``pairs`` as layers, today's path, with ``read_ceiling`` the two reading launches of the touched experts, and
+    with ``loads_probe`` (streaming gate_up and down names) the two streaming walks with their loads alone."""
     copies = len(banks)
     warm = all(b is banks[0] for b in banks)  # --warm: the same experts in every call, in L2 where they fit
     routes = [_routing(t, e, k, gen, device)] * copies if warm else [_routing(t, e, k, gen, device)
@@ -568,6 +576,9 @@ def _point(shape, t, h, i, e, k, banks, gates, downs, gen, device, clock, moe_re
 
     if read_ceiling:
         _read_ceiling(row, banks, routes, clock)
+    if loads_probe and device.type == "cuda" and t <= min(STREAM_GATE_UP[loads_probe[0]].block_t,
+                                                          STREAM_DOWN[loads_probe[1]][2].block_t):
+        _loads_probe(row, banks, routes, x, loads_probe, clock)
     out = torch.empty_like(x)
     for gname, dname in pairs:  # whole layers: what a programmatic dependent down kernel gains shows only here
         if not candidate_ok(ANY_GATE_UP[gname], h, t) or not candidate_ok(ANY_DOWN[dname][2], i, t):
@@ -661,6 +672,46 @@ def _read_ceiling(row: dict, banks, routes, clock) -> None:
             row["read_ceiling_us"], row["read_ceiling_tile"] = us, f"{bm} rows x {bw} words"
 
 
+def _loads_probe(row: dict, banks, routes, x, names, clock) -> None:
+    """The streaming gate_up's and down's walks over each call's routed experts with their loads alone
+    (``stream_loads_probe.moe_stream_loads``), each checked on the first call, then timed alone and as a pair, and
+    the pair without the cross-CTA sums (unchecked): into ``row["loads_probe_us"]``."""
+    gate_tile, down_tile = STREAM_GATE_UP[names[0]], STREAM_DOWN[names[1]][2]
+    t, k = routes[0][1].shape
+    inter = torch.randn(t * k, banks[0][1][0].shape[2] * 2, device=x.device).to(torch.bfloat16)
+    xs = x.to(torch.bfloat16)
+    counters = {}
+
+    def launch(c, down, sums=True):
+        bank = banks[c][1] if down else banks[c][0]
+        tile = down_tile if down else gate_tile
+        key = (down, sums)
+        if key not in counters:  # one count per list tile, left zero by each call
+            counters[key] = torch.zeros(max(1, min(t * k, bank[0].shape[0])) * bank[0].shape[1], dtype=torch.int32,
+                                        device=x.device)
+        return moe_stream_loads(inter if down else xs, bank[0], bank[1], routes[c][1], tile=tile,
+                                ctas=tile.ctas(x.device), down=down, sums=sums, counters=counters[key])
+
+    for down in (False, True):
+        bank = banks[0][1] if down else banks[0][0]
+        tile = down_tile if down else gate_tile
+        want = moe_stream_loads_expected(inter if down else xs, bank[0], bank[1], routes[0][1], tile, down)
+        got = launch(0, down)[:want.numel()]
+        if not torch.equal(got, want):
+            row["failed"].append(f"loads probe {names[1] if down else names[0]}")
+            print(f"  FAIL loads probe {'down' if down else 'gate_up'}: {int((got != want).sum())} of "
+                  f"{want.numel()} list tiles differ", flush=True)
+            return
+    copies = len(banks)
+    row["loads_probe_us"] = {
+        f"gate_up {names[0]}": clock.seconds(lambda: [launch(c, False) for c in range(copies)]) / copies * 1e6,
+        f"down {names[1]}": clock.seconds(lambda: [launch(c, True) for c in range(copies)]) / copies * 1e6,
+        "pair": clock.seconds(lambda: [(launch(c, False), launch(c, True)) for c in range(copies)]) / copies * 1e6,
+        "pair without the cross-CTA sums": clock.seconds(
+            lambda: [(launch(c, False, False), launch(c, True, False)) for c in range(copies)]) / copies * 1e6,
+    }
+
+
 def _fmt(r: dict) -> str:
     best = f"{r['best_us']:8.1f}" if "best_us" in r else "     n/a"
     frac = f"{r['fraction_of_floor']:5.2f}" if "fraction_of_floor" in r else "  n/a"
@@ -673,6 +724,8 @@ def _fmt(r: dict) -> str:
             f"best {best} us ({frac} of floor) det {det} | today {today} us {speed} | {r.get('best', '-')}"
             + (f"\n    read ceiling (two launches, {r['read_ceiling_tile']}): {r['read_ceiling_us']:.1f} us "
                f"({r['floor_us'] / r['read_ceiling_us']:.2f} of floor)" if "read_ceiling_us" in r else "")
+            + "".join(f"\n    loads probe, {name}: {us:.1f} us ({r['floor_us'] / us:.2f} of floor)"
+                      for name, us in r.get("loads_probe_us", {}).items())
             + pairs)
 
 
@@ -695,6 +748,9 @@ def main(argv=None):
     p.add_argument("--read-ceiling", action="store_true",
                    help="also time two launches that only read the touched experts' bytes (the ceiling of a "
                         "two-kernel decode layer; checked by the xor of every word read)")
+    p.add_argument("--loads-probe", default="", metavar="GATE_UP,DOWN",
+                   help="also time the streaming gate_up's and down's walks with their loads alone (names of the "
+                        "streaming candidates; stream_loads_probe.py), checked exactly first")
     p.add_argument("--list", action="store_true", help="print the candidates and exit")
     p.add_argument("--device", default="cuda", help="cuda; cpu runs the interpreter (a smoke test, no timing)")
     args = p.parse_args(argv)

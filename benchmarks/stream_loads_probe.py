@@ -29,8 +29,11 @@ import triton
 from vllm_nvfp4_sm120.kernels import gluon_gemv_stream as gs
 from vllm_nvfp4_sm120.kernels.gluon_compat import HAS_GLUON, gl, gluon, require_gluon
 
+from vllm_nvfp4_sm120.kernels.gluon_moe_decode import MoeStreamTile, moe_stream_grid, route_block
+
 if HAS_GLUON:
-    from vllm_nvfp4_sm120.kernels.gluon_gemv_stream import _end_tile, _row_tile, _run_span, _step_blocks
+    from vllm_nvfp4_sm120.kernels.gluon_gemv_stream import _end_tile, _reduce_tile, _row_tile, _run_span, _step_blocks
+    from vllm_nvfp4_sm120.kernels.gluon_moe_decode import _expert_routes, _expert_run, _local_ids, _tile_offsets
 
 # Argument types as the launcher passes them (for the compile tests).
 LOADS_SIGNATURE = {
@@ -42,6 +45,16 @@ LOADS_SIGNATURE = {
 }
 LOADS_DIVISIBLE = [k for k, v in LOADS_SIGNATURE.items() if v.startswith("*")] + [
     "N", "K", "stride_xt", "stride_ww", "stride_wsn", "stride_ot",
+]
+MOE_LOADS_SIGNATURE = {
+    "x_ptr": "*i32", "w_ptr": "*i32", "ws_ptr": "*u8", "ids_ptr": "*i32", "out_ptr": "*fp32", "part_ptr": "*fp32",
+    "cnt_ptr": "*i32", "stride_xt": "i32", "stride_we": "i32", "stride_ww": "i32", "stride_wse": "i32",
+    "stride_wsn": "i32", "S": "i32", "N": "i32", "K": "i32", "E": "i32", "top_k": "i32", "tiles_e": "i32",
+    "slots_per_cta": "i32", "DOWN": "constexpr", "LOAD_X": "constexpr", "SUMS": "constexpr", "S_BLOCK": "constexpr",
+    "BLOCK_M": "constexpr", "BLOCK_T": "constexpr", "WARPS": "constexpr", "ROW_WARPS": "constexpr",
+}
+MOE_LOADS_DIVISIBLE = [k for k, v in MOE_LOADS_SIGNATURE.items() if v.startswith("*")] + [
+    "N", "K", "stride_xt", "stride_we", "stride_ww", "stride_wse", "stride_wsn",
 ]
 
 if HAS_GLUON:
@@ -170,6 +183,80 @@ if HAS_GLUON:
                 gl.store(part_ptr + slot.to(gl.int64) * (BLOCK_M * BLOCK_T) + part_offs, y)
             b = run_end
 
+    @gluon.jit
+    def _moe_stream_loads_kernel(
+        x_ptr, w_ptr, ws_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr,
+        stride_xt, stride_we, stride_ww, stride_wse, stride_wsn, S, N, K, E, top_k, tiles_e, slots_per_cta,
+        DOWN: gl.constexpr, LOAD_X: gl.constexpr, SUMS: gl.constexpr, S_BLOCK: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr, WARPS: gl.constexpr, ROW_WARPS: gl.constexpr,
+    ):
+        # The MoE streaming kernel's walk (gluon_moe_decode._moe_stream_kernel without expert map, overlapped runs or
+        # row pointers): the routing found by every CTA, the list of (expert, row tile, 128-k block), its stream-K
+        # split and each run's routing; the loads probe's steps; a list tile's total to out[tile].
+        BMW: gl.constexpr = BLOCK_M // ROW_WARPS
+        KW: gl.constexpr = WARPS // ROW_WARPS
+        HALF: gl.constexpr = BLOCK_M // 2
+        CL: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 8, 4], [WARPS, 1, 1], [2, 1, 0])
+        W4: gl.constexpr = gl.BlockedLayout([1, 1, 2, 2], [1, 8, 4, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
+        S3: gl.constexpr = gl.SliceLayout(3, W4)
+        XW: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [WARPS, 1, 1], [2, 1, 0])
+        O2: gl.constexpr = gl.BlockedLayout([1, 1], [16, 2], [1, WARPS], [0, 1])
+        R2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [WARPS, 1], [1, 0])
+        NB = K // 128
+
+        pid = gl.program_id(0)
+        ctas = gl.num_programs(0)
+        offs_a = gl.arange(0, S_BLOCK, layout=gl.SliceLayout(1, R2))
+        offs_b = gl.arange(0, S_BLOCK, layout=gl.SliceLayout(0, R2))
+        ids_a = _local_ids(ids_ptr, ids_ptr, offs_a, S, E, E, False)
+        ids_b = _local_ids(ids_ptr, ids_ptr, offs_b, S, E, E, False)
+        earlier = ((ids_a[:, None] == ids_b[None, :]) & (offs_b[None, :] < offs_a[:, None])).to(gl.int32)
+        before_a = gl.sum(earlier, axis=1)
+        first_a = (ids_a >= 0) & (before_a == 0)
+        first_b = gl.convert_layout(first_a, gl.SliceLayout(0, R2))
+        before_b = gl.convert_layout(before_a, gl.SliceLayout(0, R2))
+        nth_a = gl.sum((first_b[None, :] & (offs_b[None, :] <= offs_a[:, None])).to(gl.int32), axis=1)
+        nth_b = gl.convert_layout(gl.where(first_a, nth_a, 0), gl.SliceLayout(0, R2))
+        total = gl.sum(first_a.to(gl.int32), axis=0) * tiles_e * NB
+
+        w_c = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, CL)))[:, None, None]
+        m_c = gl.arange(0, BMW, layout=gl.SliceLayout(0, gl.SliceLayout(2, CL)))[None, :, None]
+        k_c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, CL)))[None, None, :]
+        w_s = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, S3)))[:, None, None]
+        m_s = gl.arange(0, BMW, layout=gl.SliceLayout(0, gl.SliceLayout(2, S3)))[None, :, None]
+        k_s = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, S3)))[None, None, :]
+        w_x = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, XW)))[:, None, None]
+        k_x = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, XW)))[None, None, :]
+        row_c = (w_c % ROW_WARPS) * BMW + m_c
+        row_s = (w_s % ROW_WARPS) * BMW + m_s
+        n_r = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, R2))
+        part_offs = (gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O2))[:, None] * BLOCK_T
+                     + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, O2))[None, :])
+
+        ctas = gl.maximum(gl.minimum(ctas, total), 1)
+        b_begin = gl.minimum(pid, ctas) * total // ctas
+        b_end = gl.minimum(pid + 1, ctas) * total // ctas
+        first_tile = b_begin // NB
+        b = b_begin
+        while b < b_end:
+            tile, run_end, kb0, kb_last, last, q, j = _expert_run(b, b_end, NB, tiles_e, KW)
+            # (the activation rows come back in XW's token slice: the x offsets below are in 32-bit words)
+            e, count, route, a_row = _expert_routes(q, nth_b, ids_b, before_b, offs_b, n_r, top_k, DOWN, XW)
+            w_base, w_offs, s_base, s_offs, x_offs = _tile_offsets(
+                e, j, a_row, w_ptr, ws_ptr, row_c, row_s, k_c, k_s, k_x, stride_xt, stride_we, stride_ww,
+                stride_wse, stride_wsn, N, DOWN, BLOCK_M, HALF)
+            y = _loads_run(w_base, w_offs, s_base, s_offs, x_ptr, x_offs, kb0, kb_last, last, w_c, w_s, w_x,
+                           LOAD_X, WARPS, ROW_WARPS, BLOCK_M, BLOCK_T, CL, S3, XW, O2)
+            if SUMS:
+                done, y = _reduce_tile(y, tile, pid, 0, ctas, total, NB, first_tile, slots_per_cta, part_ptr,
+                                       part_offs, cnt_ptr + tile, BLOCK_M, BLOCK_T, O2)
+                if done:  # every entry of y is the tile's total
+                    gl.store(out_ptr + tile + part_offs * 0, y, mask=part_offs == 0)
+            else:  # a timing variant: the run's sum to its slot, no count, no output
+                slot = pid * slots_per_cta + (tile - first_tile)
+                gl.store(part_ptr + slot.to(gl.int64) * (BLOCK_M * BLOCK_T) + part_offs, y)
+            b = run_end
+
 
 def _check(x, codes, scales, tile):
     from vllm_nvfp4_sm120.format.checks import check_tensor
@@ -241,3 +328,104 @@ def stream_loads_expected(x, codes, scales, tile: gs.StreamTile, load_x: bool = 
 def workspace_for(t: int, n: int, k: int, tile: gs.StreamTile, ctas: int, device) -> gs.StreamWorkspace:
     """A workspace the probe can keep across calls (its counters return to zero after each)."""
     return gs.StreamWorkspace.for_grid(gs.stream_grid(t, n, k, tile, ctas), tile, device)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The MoE walk
+# ---------------------------------------------------------------------------------------------------------------
+def _check_moe(x, codes, scales, topk_ids, tile, down):
+    from vllm_nvfp4_sm120.format.checks import check_tensor
+
+    e, rows, kh = check_tensor("codes", codes, dtype=torch.uint8, ndim=3).shape
+    k = 2 * kh
+    if k % gs.K_BLOCK:
+        raise ValueError(f"codes: K = {k} must be a multiple of {gs.K_BLOCK} for the loads probe")
+    check_tensor("scales", scales, dtype=(torch.uint8, torch.float8_e4m3fn), shape=(e, rows, k // 16))
+    t, top_k = check_tensor("topk_ids", topk_ids, dtype=torch.int32, ndim=2).shape
+    if down:
+        check_tensor("x", x, dtype=torch.bfloat16, shape=(t * top_k, k))
+    else:
+        check_tensor("x", x, dtype=torch.bfloat16, shape=(None, k))
+        if rows % 2:
+            raise ValueError(f"codes: a gate_up bank has 2 * I rows, got {rows}")
+    if not all(v.is_contiguous() for v in (x, codes, scales, topk_ids)):
+        raise ValueError("x, codes, scales, topk_ids: the loads probe takes contiguous tensors")
+    if t > tile.block_t:
+        raise ValueError(f"topk_ids: T = {t} tokens exceed the tile's {tile.block_t} routes per expert")
+    if tile.prefetch != 1 or tile.overlap_runs or tile.row_pointers:
+        raise ValueError(f"tile: the loads probe follows the plain one-step loop, got {tile}")
+    return e, rows, k, t, top_k
+
+
+def _moe_sizes(rows: int, down: bool) -> int:
+    """N of the kernel: the down's H rows, the gate_up's I columns (its bank has 2 * I rows)."""
+    return rows if down else rows // 2
+
+
+def moe_register_cap(tile: MoeStreamTile) -> int:
+    """The probe's register cap on a MoE tile: the tile's own, or the budget of its ``ctas_per_sm`` (without a cap
+    ptxas takes 128 registers for the probe on sm_120 and spills outside the loop)."""
+    return tile.max_regs or min(255, 65536 // (tile.ctas_per_sm * 32 * tile.num_warps))
+
+
+def moe_stream_loads(x, codes, scales, topk_ids, *, tile: MoeStreamTile, ctas: int, down: bool, load_x: bool = True,
+                     sums: bool = True, counters=None, out=None):
+    """The MoE streaming kernel's walk with the loads probe's steps, on one bank (the gate_up's ``w13`` with ``x``
+    the tokens' activations ``[T, H]``, or the down's ``w2`` with ``x`` the routes' intermediate ``[T * top_k, I]``)
+    and a routing ``topk_ids [T, top_k]`` (no expert map).  Returns ``out``: fp32, one entry per (distinct expert in
+    the order of its first slot, row tile), with ``sums`` :func:`moe_stream_loads_expected` on the list's entries;
+    without, not written.  ``counters``: int32 zeros of at least the list's length, kept across calls (the kernel
+    leaves them zero); ``ctas``: the grid, as the MoE launchers take ``tile.ctas(device)``."""
+    require_gluon("moe_stream_loads")
+    e, rows, k, t, top_k = _check_moe(x, codes, scales, topk_ids, tile, down)
+    n = _moe_sizes(rows, down)
+    s = t * top_k
+    grid = moe_stream_grid(s, e, n, k, tile, ctas, down=down)
+    if out is None:
+        out = torch.zeros(grid.counters_numel, dtype=torch.float32, device=x.device)
+    if counters is None:
+        counters = torch.zeros(grid.counters_numel, dtype=torch.int32, device=x.device)
+    part = torch.empty(max(grid.partials_numel(tile), 1), dtype=torch.float32, device=x.device)
+    _moe_stream_loads_kernel[(grid.ctas,)](
+        x.view(torch.int32), codes.view(torch.int32), scales.view(torch.uint8), topk_ids, out, part, counters,
+        x.stride(0) // 2, codes.stride(0) // 4, codes.stride(1) // 4, scales.stride(0), scales.stride(1), s, n, k, e,
+        top_k, grid.tiles_e, grid.slots_per_cta, DOWN=down, LOAD_X=load_x, SUMS=sums, S_BLOCK=route_block(s),
+        BLOCK_M=tile.block_m, BLOCK_T=tile.block_t, WARPS=tile.num_warps, ROW_WARPS=tile.row_warps,
+        num_warps=tile.num_warps, maxnreg=moe_register_cap(tile))
+    return out
+
+
+def moe_stream_loads_expected(x, codes, scales, topk_ids, tile: MoeStreamTile, down: bool,
+                              load_x: bool = True) -> torch.Tensor:
+    """What :func:`moe_stream_loads` writes with ``sums``, in torch: for the q-th distinct expert (in the order of
+    its first slot) and its row tile j, the low nibbles of the code words and scale bytes of the tile's rows (the
+    down: rows j * block_m.., past H row H - 1 again; the gate_up: gate columns j * block_m / 2.., past I column
+    I - 1 again, and the same columns' up rows), plus those of the activation words of each of the tile's block_t
+    columns (column n: the expert's n-th route, or its first route past its count; the down's route row, the
+    gate_up's token row), read once by each row warp.  One fp32 per list tile, ``[experts * tiles]``."""
+    e, rows, k, t, top_k = _check_moe(x, codes, scales, topk_ids, tile, down)
+    n = _moe_sizes(rows, down)
+    per_row = ((codes.view(torch.int32) & 0xF).sum(-1, dtype=torch.int64)
+               + (scales.view(torch.uint8) & 0xF).sum(-1, dtype=torch.int64))  # [E, rows]
+    per_act = (x.view(torch.int32) & 0xF).sum(-1, dtype=torch.int64) * tile.row_warps
+    flat = topk_ids.reshape(-1).tolist()
+    experts = list(dict.fromkeys(i for i in flat if 0 <= i < e))  # distinct, in the order of the first slot
+    if down:
+        tiles_e = triton.cdiv(n, tile.block_m)
+        tile_rows = [[min(j * tile.block_m + r, n - 1) for r in range(tile.block_m)] for j in range(tiles_e)]
+    else:
+        half = tile.block_m // 2
+        tiles_e = triton.cdiv(n, half)
+        cols = [[min(j * half + r, n - 1) for r in range(half)] for j in range(tiles_e)]
+        tile_rows = [c + [n + v for v in c] for c in cols]
+    out = []
+    for ex in experts:
+        routes = [r for r, i in enumerate(flat) if i == ex]
+        act_rows = [r if down else r // top_k for r in routes]
+        cols_rows = [act_rows[c] if c < len(routes) else act_rows[0] for c in range(tile.block_t)]
+        acts = int(per_act[cols_rows].sum()) if load_x else 0
+        out += [int(per_row[ex, tr].sum()) + acts for tr in tile_rows]
+    total = torch.tensor(out, dtype=torch.int64)
+    if total.numel() and int(total.max()) >= 2**24:
+        raise ValueError("moe_stream_loads_expected: the sums pass 2^24 and would not be exact in fp32")
+    return total.to(torch.float32).to(x.device)

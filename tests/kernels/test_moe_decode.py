@@ -1097,3 +1097,25 @@ def test_sweep_script_times_pairs(tmp_path):
     assert row["pairs_us"][name] > 0 and row["gate_up_us"] == {} and row["down_us"] == {}
     with pytest.raises(SystemExit, match="--pairs"):
         SWEEP.main(["--device", DEVICE, "--shapes", "tiny", "--pairs", "gu-n16k128-w2-st3", "--out", str(tmp_path)])
+
+
+def test_sweep_loads_probe(tmp_path):
+    # --loads-probe: the streaming gate_up's and down's walks with their loads alone (benchmarks/stream_loads_probe.py,
+    # Gluon: GPU only), checked exactly on the first call, then timed alone, as a pair and without the cross-CTA sums.
+    import json
+
+    with pytest.raises(SystemExit, match="--loads-probe"):
+        SWEEP.main(["--device", DEVICE, "--shapes", "tiny", "--tokens", "1", "--loads-probe", "gus-m32t8",
+                    "--out", str(tmp_path)])
+    SWEEP.main(["--device", DEVICE, "--shapes", "tiny", "--tokens", "1,3", "--pairs",
+                "gu-n16k128-w2-st3+exp-n32k256-w2-st2-shift", "--min-bytes", "1", "--repeats", "1", "--no-baseline",
+                "--loads-probe", "gus-m32t8,dns-m64t8-rw2-lc-c4", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "moe_decode.json").read_text())["rows"]
+    assert [r["T"] for r in rows] == [1, 3] and all(r["failed"] == [] for r in rows)
+    for r in rows:
+        if DEVICE == "cuda":
+            assert set(r["loads_probe_us"]) == {"gate_up gus-m32t8", "down dns-m64t8-rw2-lc-c4", "pair",
+                                                "pair without the cross-CTA sums"}
+            assert all(us > 0 for us in r["loads_probe_us"].values())
+        else:  # no Gluon on the CPU: the rows come without it
+            assert "loads_probe_us" not in r
