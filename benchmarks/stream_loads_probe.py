@@ -32,8 +32,9 @@ from vllm_nvfp4_sm120.kernels.gluon_compat import HAS_GLUON, gl, gluon, require_
 from vllm_nvfp4_sm120.kernels.gluon_moe_decode import MoeStreamTile, moe_stream_grid, route_block
 
 if HAS_GLUON:
-    from vllm_nvfp4_sm120.kernels.gluon_gemv_stream import _end_tile, _reduce_tile, _row_tile, _run_span, _step_blocks
-    from vllm_nvfp4_sm120.kernels.gluon_moe_decode import _expert_routes, _expert_run, _local_ids, _tile_offsets
+    from vllm_nvfp4_sm120.kernels.gluon_gemv_stream import (_end_tile, _lane_offsets, _reduce_tile, _row_tile,
+                                                            _run_span, _step_blocks)
+    from vllm_nvfp4_sm120.kernels.gluon_moe_decode import _expert_routes, _expert_run, _route_list, _tile_offsets
 
 # Argument types as the launcher passes them (for the compile tests).
 LOADS_SIGNATURE = {
@@ -147,17 +148,7 @@ if HAS_GLUON:
         pid_t = gl.program_id(1)
         ctas = gl.num_programs(0)
         tiles_m = gl.cdiv(N, BLOCK_M)
-        w_c = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, CL)))[:, None, None]
-        m_c = gl.arange(0, BMW, layout=gl.SliceLayout(0, gl.SliceLayout(2, CL)))[None, :, None]
-        k_c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, CL)))[None, None, :]
-        w_s = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, S3)))[:, None, None]
-        m_s = gl.arange(0, BMW, layout=gl.SliceLayout(0, gl.SliceLayout(2, S3)))[None, :, None]
-        k_s = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, S3)))[None, None, :]
-        w_x = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, XW)))[:, None, None]
-        n_x = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, gl.SliceLayout(2, XW)))[None, :, None]
-        k_x = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, XW)))[None, None, :]
-        row_c = (w_c % ROW_WARPS) * BMW + m_c
-        row_s = (w_s % ROW_WARPS) * BMW + m_s
+        w_c, k_c, row_c, w_s, k_s, row_s, w_x, n_x, k_x = _lane_offsets(WARPS, BMW, ROW_WARPS, BLOCK_T, 64, CL, S3, XW)
         x_base = x_ptr + (pid_t * BLOCK_T).to(gl.int64) * stride_xt
         x_offs = (gl.minimum(pid_t * BLOCK_T + n_x, T - 1) - pid_t * BLOCK_T) * stride_xt + k_x
         rows_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O2))
@@ -206,29 +197,10 @@ if HAS_GLUON:
 
         pid = gl.program_id(0)
         ctas = gl.num_programs(0)
-        offs_a = gl.arange(0, S_BLOCK, layout=gl.SliceLayout(1, R2))
-        offs_b = gl.arange(0, S_BLOCK, layout=gl.SliceLayout(0, R2))
-        ids_a = _local_ids(ids_ptr, ids_ptr, offs_a, S, E, E, False)
-        ids_b = _local_ids(ids_ptr, ids_ptr, offs_b, S, E, E, False)
-        earlier = ((ids_a[:, None] == ids_b[None, :]) & (offs_b[None, :] < offs_a[:, None])).to(gl.int32)
-        before_a = gl.sum(earlier, axis=1)
-        first_a = (ids_a >= 0) & (before_a == 0)
-        first_b = gl.convert_layout(first_a, gl.SliceLayout(0, R2))
-        before_b = gl.convert_layout(before_a, gl.SliceLayout(0, R2))
-        nth_a = gl.sum((first_b[None, :] & (offs_b[None, :] <= offs_a[:, None])).to(gl.int32), axis=1)
-        nth_b = gl.convert_layout(gl.where(first_a, nth_a, 0), gl.SliceLayout(0, R2))
-        total = gl.sum(first_a.to(gl.int32), axis=0) * tiles_e * NB
+        offs_b, ids_b, before_b, nth_b, n_e = _route_list(ids_ptr, ids_ptr, S, E, E, False, S_BLOCK, R2)
+        total = n_e * tiles_e * NB
 
-        w_c = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, CL)))[:, None, None]
-        m_c = gl.arange(0, BMW, layout=gl.SliceLayout(0, gl.SliceLayout(2, CL)))[None, :, None]
-        k_c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, CL)))[None, None, :]
-        w_s = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, S3)))[:, None, None]
-        m_s = gl.arange(0, BMW, layout=gl.SliceLayout(0, gl.SliceLayout(2, S3)))[None, :, None]
-        k_s = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, S3)))[None, None, :]
-        w_x = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, XW)))[:, None, None]
-        k_x = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, XW)))[None, None, :]
-        row_c = (w_c % ROW_WARPS) * BMW + m_c
-        row_s = (w_s % ROW_WARPS) * BMW + m_s
+        w_c, k_c, row_c, w_s, k_s, row_s, w_x, _, k_x = _lane_offsets(WARPS, BMW, ROW_WARPS, BLOCK_T, 64, CL, S3, XW)
         n_r = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, R2))
         part_offs = (gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O2))[:, None] * BLOCK_T
                      + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, O2))[None, :])
@@ -373,16 +345,17 @@ def moe_stream_loads(x, codes, scales, topk_ids, *, tile: MoeStreamTile, ctas: i
     """The MoE streaming kernel's walk with the loads probe's steps, on one bank (the gate_up's ``w13`` with ``x``
     the tokens' activations ``[T, H]``, or the down's ``w2`` with ``x`` the routes' intermediate ``[T * top_k, I]``)
     and a routing ``topk_ids [T, top_k]`` (no expert map).  Returns ``out``: fp32, one entry per (distinct expert in
-    the order of its first slot, row tile), with ``sums`` :func:`moe_stream_loads_expected` on the list's entries;
-    without, not written.  ``counters``: int32 zeros of at least the list's length, kept across calls (the kernel
-    leaves them zero); ``ctas``: the grid, as the MoE launchers take ``tile.ctas(device)``."""
+    the order of its first slot, row tile), with ``sums`` :func:`moe_stream_loads_expected` on the list's entries
+    (those past the list, and every entry without ``sums``, are not written).  ``counters``: int32 zeros of at least
+    the list's length, kept across calls (the kernel leaves them zero); ``ctas``: the grid, as the MoE launchers take
+    ``tile.ctas(device)``."""
     require_gluon("moe_stream_loads")
     e, rows, k, t, top_k = _check_moe(x, codes, scales, topk_ids, tile, down)
     n = _moe_sizes(rows, down)
     s = t * top_k
     grid = moe_stream_grid(s, e, n, k, tile, ctas, down=down)
-    if out is None:
-        out = torch.zeros(grid.counters_numel, dtype=torch.float32, device=x.device)
+    if out is None:  # (empty: a fill would be a second kernel in every timed call)
+        out = torch.empty(grid.counters_numel, dtype=torch.float32, device=x.device)
     if counters is None:
         counters = torch.zeros(grid.counters_numel, dtype=torch.int32, device=x.device)
     part = torch.empty(max(grid.partials_numel(tile), 1), dtype=torch.float32, device=x.device)

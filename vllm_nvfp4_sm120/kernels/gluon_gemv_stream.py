@@ -634,6 +634,25 @@ if HAS_GLUON:
         return done, y
 
     @gluon.jit
+    def _lane_offsets(WARPS: gl.constexpr, BMW: gl.constexpr, ROW_WARPS: gl.constexpr, BLOCK_T: gl.constexpr,
+                      X_K: gl.constexpr, CL: gl.constexpr, S3: gl.constexpr, XL: gl.constexpr):
+        """A step's per-lane index tensors, each in the layout of its load (codes ``CL``, scales ``S3``, activations
+        ``XL``): the warp (``w_*``, ``[W, 1, 1]``), the code word / scale byte / activation inside a 128-k block
+        (``k_*``, ``[1, 1, n]``; ``X_K`` activations per block in ``XL``), the row inside the row tile (``row_c``,
+        ``row_s``: warp w takes rows ``(w % ROW_WARPS) * BMW ..``) and the token inside the token tile (``n_x``,
+        ``[1, BLOCK_T, 1]``).  Returns ``(w_c, k_c, row_c, w_s, k_s, row_s, w_x, n_x, k_x)``."""
+        w_c = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, CL)))[:, None, None]
+        m_c = gl.arange(0, BMW, layout=gl.SliceLayout(0, gl.SliceLayout(2, CL)))[None, :, None]
+        k_c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, CL)))[None, None, :]
+        w_s = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, S3)))[:, None, None]
+        m_s = gl.arange(0, BMW, layout=gl.SliceLayout(0, gl.SliceLayout(2, S3)))[None, :, None]
+        k_s = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, S3)))[None, None, :]
+        w_x = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))[:, None, None]
+        n_x = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, gl.SliceLayout(2, XL)))[None, :, None]
+        k_x = gl.arange(0, X_K, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))[None, None, :]
+        return (w_c, k_c, (w_c % ROW_WARPS) * BMW + m_c, w_s, k_s, (w_s % ROW_WARPS) * BMW + m_s, w_x, n_x, k_x)
+
+    @gluon.jit
     def _stream_kernel(
         x_ptr, w_ptr, ws_ptr, wdec_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
         T, N, K, stride_xt, stride_ww, stride_wsn, stride_ot, total_blocks, slots_per_cta,
@@ -665,17 +684,8 @@ if HAS_GLUON:
         tiles_m = gl.cdiv(N, BLOCK_M)
 
         # ---- per-lane offsets: rows inside the row tile, words / scales / activations inside a block
-        w_c = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, CL)))[:, None, None]
-        m_c = gl.arange(0, BMW, layout=gl.SliceLayout(0, gl.SliceLayout(2, CL)))[None, :, None]
-        k_c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, CL)))[None, None, :]
-        w_s = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, S3)))[:, None, None]
-        m_s = gl.arange(0, BMW, layout=gl.SliceLayout(0, gl.SliceLayout(2, S3)))[None, :, None]
-        k_s = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, S3)))[None, None, :]
-        w_x = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))[:, None, None]
-        n_x = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, gl.SliceLayout(2, XL)))[None, :, None]
-        k_x = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))[None, None, :]
-        row_c = (w_c % ROW_WARPS) * BMW + m_c
-        row_s = (w_s % ROW_WARPS) * BMW + m_s
+        w_c, k_c, row_c, w_s, k_s, row_s, w_x, n_x, k_x = _lane_offsets(WARPS, BMW, ROW_WARPS, BLOCK_T, 128, CL, S3,
+                                                                         XL)
         # Tokens past T re-read token T - 1 (an L1 hit; their output columns are not stored).
         x_base = x_ptr + (pid_t * BLOCK_T).to(gl.int64) * stride_xt
         x_offs = (gl.minimum(pid_t * BLOCK_T + n_x, T - 1) - pid_t * BLOCK_T) * stride_xt + k_x

@@ -46,8 +46,8 @@ from .gluon_compat import HAS_GLUON, gl, gluon, require_gluon
 from .gluon_gemv_stream import DECODE_NAMES, K_BLOCK, check_stream_step, default_stream_decode
 
 if HAS_GLUON:
-    from .gluon_gemv_stream import (_EPILOGUE_SHIFT, _reduce_tile, _run_bases, _run_first, _run_last,
-                                    _run_product, _run_span, _run_steps)
+    from .gluon_gemv_stream import (_EPILOGUE_SHIFT, _lane_offsets, _reduce_tile, _run_bases, _run_first,
+                                    _run_last, _run_product, _run_span, _run_steps)
 
 
 @dataclass(frozen=True)
@@ -184,6 +184,28 @@ if HAS_GLUON:
         return gl.where((ids >= 0) & (ids < E), ids, -1)
 
     @gluon.jit
+    def _route_list(ids_ptr, map_ptr, S, E, GLOBAL_E, HAS_MAP: gl.constexpr, S_BLOCK: gl.constexpr, R2: gl.constexpr):
+        """The call's distinct local experts, in the order of their first route slot, as vectors over the slots
+        (``SliceLayout(0, R2)``): ``(offs_b, ids_b, before_b, nth_b, n_e)``, the slot, its local expert (-1 for none),
+        the routes to the same expert in earlier slots, the 1-based rank of a first slot among the first slots (0
+        elsewhere) and the number of distinct experts."""
+        offs_a = gl.arange(0, S_BLOCK, layout=gl.SliceLayout(1, R2))
+        offs_b = gl.arange(0, S_BLOCK, layout=gl.SliceLayout(0, R2))
+        ids_a = _local_ids(ids_ptr, map_ptr, offs_a, S, E, GLOBAL_E, HAS_MAP)
+        ids_b = _local_ids(ids_ptr, map_ptr, offs_b, S, E, GLOBAL_E, HAS_MAP)
+        # (scans have no layout here for these vectors: sums over [slot, slot] compares instead)
+        earlier = ((ids_a[:, None] == ids_b[None, :]) & (offs_b[None, :] < offs_a[:, None])).to(gl.int32)
+        before_a = gl.sum(earlier, axis=1)  # routes to the same expert in earlier slots
+        first_a = (ids_a >= 0) & (before_a == 0)
+        first_b = gl.convert_layout(first_a, gl.SliceLayout(0, R2))
+        before_b = gl.convert_layout(before_a, gl.SliceLayout(0, R2))
+        # Only the slot-b vectors stay live through the callers' loops (a lane holds S_BLOCK / 32 slots of them,
+        # against S_BLOCK / WARPS of the slot-a ones).
+        nth_a = gl.sum((first_b[None, :] & (offs_b[None, :] <= offs_a[:, None])).to(gl.int32), axis=1)
+        nth_b = gl.convert_layout(gl.where(first_a, nth_a, 0), gl.SliceLayout(0, R2))
+        return offs_b, ids_b, before_b, nth_b, gl.sum(first_a.to(gl.int32), axis=0)
+
+    @gluon.jit
     def _gated(gate, up, ACTIVATION: gl.constexpr):
         """``act(gate) * up`` in fp32, the formulas of moe_common.gated_activation_f32."""
         if ACTIVATION == "silu":
@@ -312,21 +334,7 @@ if HAS_GLUON:
                          mask=(start + zo < zero_numel) & (zo < zero_chunk))
 
         # ---- the distinct local experts, in the order of their first slot
-        offs_a = gl.arange(0, S_BLOCK, layout=gl.SliceLayout(1, R2))
-        offs_b = gl.arange(0, S_BLOCK, layout=gl.SliceLayout(0, R2))
-        ids_a = _local_ids(ids_ptr, map_ptr, offs_a, S, E, GLOBAL_E, HAS_MAP)
-        ids_b = _local_ids(ids_ptr, map_ptr, offs_b, S, E, GLOBAL_E, HAS_MAP)
-        # (scans have no layout here for these vectors: sums over [slot, slot] compares instead)
-        earlier = ((ids_a[:, None] == ids_b[None, :]) & (offs_b[None, :] < offs_a[:, None])).to(gl.int32)
-        before_a = gl.sum(earlier, axis=1)  # routes to the same expert in earlier slots
-        first_a = (ids_a >= 0) & (before_a == 0)
-        first_b = gl.convert_layout(first_a, gl.SliceLayout(0, R2))
-        before_b = gl.convert_layout(before_a, gl.SliceLayout(0, R2))
-        # 1-based rank of each first slot among the first slots (0 elsewhere); only the slot-b vectors stay live
-        # through the loop (a lane holds S_BLOCK / 32 slots of them, against S_BLOCK / WARPS of the slot-a ones).
-        nth_a = gl.sum((first_b[None, :] & (offs_b[None, :] <= offs_a[:, None])).to(gl.int32), axis=1)
-        nth_b = gl.convert_layout(gl.where(first_a, nth_a, 0), gl.SliceLayout(0, R2))
-        n_e = gl.sum(first_a.to(gl.int32), axis=0)
+        offs_b, ids_b, before_b, nth_b, n_e = _route_list(ids_ptr, map_ptr, S, E, GLOBAL_E, HAS_MAP, S_BLOCK, R2)
         total = n_e * tiles_e * NB
 
         if DOWN and not LATE_CAST:  # a token none of whose slots has a local expert gets no tile: zeros, from CTA t
@@ -338,16 +346,7 @@ if HAS_GLUON:
                                  gl.zeros([4 * 32 * WARPS], out_ptr.dtype.element_ty, ZL), mask=ho < N)
 
         # ---- per-lane offsets (as in the streaming kernel)
-        w_c = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, CL)))[:, None, None]
-        m_c = gl.arange(0, BMW, layout=gl.SliceLayout(0, gl.SliceLayout(2, CL)))[None, :, None]
-        k_c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, CL)))[None, None, :]
-        w_s = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, S3)))[:, None, None]
-        m_s = gl.arange(0, BMW, layout=gl.SliceLayout(0, gl.SliceLayout(2, S3)))[None, :, None]
-        k_s = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, S3)))[None, None, :]
-        w_x = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))[:, None, None]
-        k_x = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))[None, None, :]
-        row_c = (w_c % ROW_WARPS) * BMW + m_c
-        row_s = (w_s % ROW_WARPS) * BMW + m_s
+        w_c, k_c, row_c, w_s, k_s, row_s, w_x, _, k_x = _lane_offsets(WARPS, BMW, ROW_WARPS, BLOCK_T, 128, CL, S3, XL)
         n_r = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, R2))
         part_offs = (gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O2))[:, None] * BLOCK_T
                      + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, O2))[None, :])
