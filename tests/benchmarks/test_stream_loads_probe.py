@@ -96,6 +96,22 @@ def test_loads_probe_refuses_what_it_cannot_read(gen):
         probe.stream_loads_expected(x, w.codes, w.scales, gs.StreamTile(32, 8, max_regs=168, prefetch=2))
 
 
+def _require_the_streaming_loads(rep, tile, load_x: bool):
+    """No stack or local memory, and a main loop of two steps (two register buffers) with the streaming kernels'
+    loads: per step one 16-byte code load and one 2-byte scale load per row of a lane, and the lane's activations
+    (block_t / 8 tokens x 64 bytes) in 16-byte loads; no MMA, no shuffle."""
+    from vllm_nvfp4_sm120.kernels.sass_stats import main_loop
+
+    rep.require_no_local()
+    assert rep.stack_bytes == 0, rep.summary()
+    loop = main_loop(rep.sass, mma=r"LDG\.E\.128")
+    rows_per_lane = tile.block_m // tile.row_warps // 8
+    assert loop.count(r"LDG\.E\.128") == 2 * rows_per_lane, loop.ops
+    assert loop.count(r"LDG\.E\.U16") == 2 * rows_per_lane, loop.ops
+    assert loop.count(r"LDG\.E\.EL\.128") == (2 * 4 * tile.block_t // 8 if load_x else 0), loop.ops
+    assert loop.count(r"[HO]MMA.*") == 0 and loop.count(r"SHFL.*") == 0, loop.ops
+
+
 def _probe_variants():
     """(tile, load_x, sums): the three variants on the planned tile at T <= 8, the checked one at T = 16."""
     from vllm_nvfp4_sm120.dispatch.gemv_stream_plan import stream_plan
@@ -111,22 +127,12 @@ def test_loads_probe_compiles_to_the_plans_loads(arch, tile, load_x, sums):
     """The probe's loop issues the planned tile's loads (activations left out where asked) and no MMA, in the
     planned tile's register cap without stack; the sums variant keeps the cross-CTA count, the other has none."""
     from vllm_nvfp4_sm120.kernels.aot import compile_kernel
-    from vllm_nvfp4_sm120.kernels.sass_stats import main_loop
 
     consts = dict(LOAD_X=load_x, SUMS=sums, BLOCK_M=tile.block_m, BLOCK_T=tile.block_t, WARPS=tile.num_warps,
                   ROW_WARPS=tile.row_warps)
     rep = compile_kernel(f"{_PATH}:_stream_loads_kernel", probe.LOADS_SIGNATURE, consts, arch=arch,
                          num_warps=tile.num_warps, divisible=probe.LOADS_DIVISIBLE, gluon=True, maxnreg=tile.max_regs)
-    rep.require_no_local()
-    assert rep.stack_bytes == 0, rep.summary()
-    loop = main_loop(rep.sass, mma=r"LDG\.E\.128")
-    rows_per_lane = tile.block_m // tile.row_warps // 8
-    # two steps per iteration (two register buffers): per step, one 16-byte code load and one 2-byte scale load per
-    # row of a lane, and the lane's activations (BLOCK_T / 8 tokens x 64 bytes) in 16-byte loads
-    assert loop.count(r"LDG\.E\.128") == 2 * rows_per_lane, loop.ops
-    assert loop.count(r"LDG\.E\.U16") == 2 * rows_per_lane, loop.ops
-    assert loop.count(r"LDG\.E\.EL\.128") == (2 * 4 * tile.block_t // 8 if load_x else 0), loop.ops
-    assert loop.count(r"[HO]MMA.*") == 0 and loop.count(r"SHFL.*") == 0, loop.ops
+    _require_the_streaming_loads(rep, tile, load_x)
     assert bool(re.search(r"atom\.global\.gpu\.acq_rel\.add", rep.ptx)) == sums
 
 
@@ -261,21 +267,13 @@ def test_moe_loads_probe_compiles_to_the_kernels_loads(arch, tile, down):
     """The probe's walk on the MoE decode table's streaming tiles, in their register budgets without stack: the loop
     issues their loads and no MMA or shuffle."""
     from vllm_nvfp4_sm120.kernels.aot import compile_kernel
-    from vllm_nvfp4_sm120.kernels.sass_stats import main_loop
 
     consts = dict(DOWN=down, LOAD_X=True, SUMS=True, S_BLOCK=128, BLOCK_M=tile.block_m, BLOCK_T=tile.block_t,
                   WARPS=tile.num_warps, ROW_WARPS=tile.row_warps)
     rep = compile_kernel(f"{_PATH}:_moe_stream_loads_kernel", probe.MOE_LOADS_SIGNATURE, consts, arch=arch,
                          num_warps=tile.num_warps, divisible=probe.MOE_LOADS_DIVISIBLE, gluon=True,
                          maxnreg=probe.moe_register_cap(tile))
-    rep.require_no_local()
-    assert rep.stack_bytes == 0, rep.summary()
-    loop = main_loop(rep.sass, mma=r"LDG\.E\.128")
-    rows_per_lane = tile.block_m // tile.row_warps // 8
-    assert loop.count(r"LDG\.E\.128") == 2 * rows_per_lane, loop.ops
-    assert loop.count(r"LDG\.E\.U16") == 2 * rows_per_lane, loop.ops
-    assert loop.count(r"LDG\.E\.EL\.128") == 2 * 4 * tile.block_t // 8, loop.ops
-    assert loop.count(r"[HO]MMA.*") == 0 and loop.count(r"SHFL.*") == 0, loop.ops
+    _require_the_streaming_loads(rep, tile, True)
 
 
 @pytest.mark.gpu
