@@ -22,7 +22,7 @@ Candidates (``--candidates`` keeps those whose name contains one of the given su
                       ``stream-plan-raw``: the same without the scale arithmetic too (gluon_gemv_stream.DECODE_RAW):
                       the plan's loads, MMAs, loop and cross-CTA sums alone
   stream-plan-loads   the plan's loads alone, on its grid, with its loop and cross-CTA sums (stream_loads_probe.py:
-                      one integer add per loaded word instead of decode, scales and MMAs; checked exactly);
+                      a mask and an add per loaded word instead of decode, scales and MMAs; checked exactly);
                       ``-nox``: without the activation loads (checked); ``-nosum``: without the cross-CTA sums
                       (unchecked, its output is not written): what the streaming pattern itself lets the bytes do
   stream-2x8          T > 8 as two 8-token tiles (two passes over the weight in one launch)
