@@ -11,11 +11,11 @@
 # warp gate_up; H >= 4096: the 32 x 8 one; the late-cast down) as a pair, beside their walks with the loads alone
 # (--loads-probe, checked exactly; alone, as a pair and without the cross-CTA sums) and the two-launch read ceiling
 # (plain grids), at T = 1, 4, 8 on the four shapes.  Writes $OUT/moe_narrow/ and $OUT/moe_wide/ with their logs.
-# About five minutes in all; every file comes back (7 of the 8 allowed).
+# About five minutes in all (the timeouts keep it under a call's 600 s); every file comes back (7 of the 8 allowed).
 source .carry/env.sh
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-timeout ${SWEEP_S:-300} python3 benchmarks/linear_decode_sweep.py --out $OUT --t 1,8,16 \
+timeout ${SWEEP_S:-220} python3 benchmarks/linear_decode_sweep.py --out $OUT --t 1,8,16 \
   --candidates 'stream-plan$,stream-plan-nodecode,stream-plan-raw,stream-plan-loads,read-only$' --min-bytes 1e9 \
   --repeats 10 \
   > $OUT/sweep.log 2>&1
@@ -23,7 +23,7 @@ echo "sweep rc $?"; grep -i "fail\|error" $OUT/sweep.log | head -5; cat $OUT/lin
 grep "stream-plan" $OUT/sweep.log | awk '{print $1, $2, $4, $5, $NF}'
 for part in "narrow qwen3-30b-a3b,qwen3-next-80b gus-m64t8-rw2" "wide qwen3-235b-a22b,deepseek-v3 gus-m32t8"; do
   set -- $part
-  timeout ${MOE_S:-240} python3 benchmarks/moe_decode_sweep.py --out $OUT/moe_$1 --shapes $2 --tokens 1,4,8 \
+  timeout ${MOE_S:-170} python3 benchmarks/moe_decode_sweep.py --out $OUT/moe_$1 --shapes $2 --tokens 1,4,8 \
     --gate-up $3 --down dns-m64t8-rw2-lc-c4 --pairs $3+dns-m64t8-rw2-lc-c4 --read-ceiling \
     --loads-probe $3,dns-m64t8-rw2-lc-c4 --no-baseline --repeats 10 > $OUT/moe_$1.log 2>&1
   echo "moe $1 rc $?"; grep -i "fail\|error" $OUT/moe_$1.log | head -5; tail -30 $OUT/moe_$1.log
