@@ -6,7 +6,7 @@ waves).  The streaming kernel reads it with a one-wave stream-K grid: CTA ``p`` 
 step, one step loaded ahead, and a row tile shared by CTAs summed by the last to arrive.  This kernel keeps all of
 that (the same grid, the same per-lane loads of codes, scales and activations, the same two register buffers, the
 same cross-CTA sums, reused from :mod:`vllm_nvfp4_sm120.kernels.gluon_gemv_stream`) and replaces the decode, the
-scale arithmetic and the MMAs by a mask and an add per loaded word (7.7 SASS instructions per code word in the loop
+scale arithmetic and the MMAs by a mask and an add per loaded word (9.2 SASS instructions per code word in the loop
 on sm_90 at T <= 8, against the plan's 25.2).  Beside the plan and the read-only ceiling in one run it says whether
 the bytes themselves arrive more slowly in this pattern (the probe near the plan) or the kernel's work between the
 loads is what keeps the plan below the ceiling (the probe near the ceiling).

@@ -3,7 +3,7 @@
 # Llama-3.3-70B layers at T = 1, 8 and 16, in one process: the plan; the plan without its decode (stream-plan-nodecode,
 # DECODE_COPY: 14.5 SASS instructions per code word on sm_90 against 25.2); without its scale arithmetic too
 # (stream-plan-raw, DECODE_RAW: the loads, MMAs, loop and cross-CTA sums, 10.5 per word); its loads alone on its grid
-# (stream-plan-loads*, benchmarks/stream_loads_probe.py: a mask and an add per loaded word, 7.7 per word; checked;
+# (stream-plan-loads*, benchmarks/stream_loads_probe.py: a mask and an add per loaded word, 9.2 per word; checked;
 # -nox without the activation loads, -nosum without the cross-CTA sums); and the read-only ceiling (a plain grid).
 # On an H100 (runs 102-103) the first probe gained <= 10 % on 21 of 24 rows; the H200 (the goals' GPU, 1.38x the bytes
 # per SM-cycle) is the one to run it on.  Writes $OUT/linear_decode.json and $OUT/sweep.log.  About two minutes.
