@@ -25,6 +25,9 @@ Candidates (``--candidates`` keeps those whose name contains one of the given su
                       a mask and an add per loaded word instead of decode, scales and MMAs; checked exactly);
                       ``-nox``: without the activation loads (checked); ``-nosum``: without the cross-CTA sums
                       (unchecked, its output is not written): what the streaming pattern itself lets the bytes do
+  stream-plan-rowtiles  the plan's tile on a grid of one CTA per row tile (several waves, no row tile shared by CTAs,
+                      no cross-CTA sums: the read-only ceiling's grid), and ``stream-plan-loads-rowtiles``, the loads
+                      probe on it: the plan's work and loads without the one-wave stream-K pattern
   stream-2x8          T > 8 as two 8-token tiles (two passes over the weight in one launch)
   gluon-today         gluon_gemv.gemv_fma / gemv_mma with the tile the dispatch routes today
   cublas-bf16         x @ W^T on the dequantized bf16 weight
@@ -186,6 +189,16 @@ SPILL_PROBE_TILES = (
 WIDE_STEP_TILES = (gs.StreamTile(32, 8, 8, 1, max_regs=128),)
 
 
+# A spec's grid that means "one CTA per row tile of the layer": each CTA's stream-K range is then exactly one row
+# tile, so no tile is shared and no cross-CTA sum runs, in as many waves as the layer has row tiles.
+ROW_TILE_GRID = 0
+
+
+def grid_ctas(ctas: int, n: int, tile) -> int:
+    """A spec's CTAs per token tile on a layer of ``n`` rows (:data:`ROW_TILE_GRID` resolved)."""
+    return -(-n // tile.block_m) if ctas == ROW_TILE_GRID else ctas
+
+
 def capped_wave_ctas(tile, t: int, sm: int) -> int:
     """The one-wave grid of a tile outside TILE_REGISTERS, from its register cap (an upper bound of its registers)."""
     return max(1, ctas_per_sm(tile.max_regs, tile.num_warps) * sm // -(-t // tile.block_t))
@@ -218,6 +231,9 @@ def stream_specs(t: int, sm: int, cc_major: int) -> list[tuple[str, tuple]]:
     out.append(("stream-plan-loads", ("loads", plan.tile, plan.ctas, True, True)))
     out.append(("stream-plan-loads-nox", ("loads", plan.tile, plan.ctas, False, True)))
     out.append(("stream-plan-loads-nosum", ("loads", plan.tile, plan.ctas, True, False)))
+    # The same tile on the read-only ceiling's kind of grid: one CTA per row tile (ROW_TILE_GRID, resolved per layer)
+    out.append(("stream-plan-rowtiles", ("stream", plan.tile, ROW_TILE_GRID, shift)))
+    out.append(("stream-plan-loads-rowtiles", ("loads", plan.tile, ROW_TILE_GRID, True, True)))
     # The table decode needs ~255 registers (benchmarks/gemv_sass_counts.py): 2 CTAs per SM are one wave.
     out.append(("stream-plan-table", ("stream", plan.tile, 2 * sm // -(-t // plan.tile.block_t),
                                       gs.DECODE_PORTABLE)))
@@ -260,6 +276,7 @@ def make_runner(spec, n, k, device):
     """``fn(x, codes, scales, dec_rows) -> out`` for a spec (a fresh workspace kept by the closure)."""
     if spec[0] == "stream":
         _, tile, ctas, decode = spec
+        ctas = grid_ctas(ctas, n, tile)
         cache: dict = {}
 
         def run(x, codes, scales, dec_rows):
@@ -271,6 +288,7 @@ def make_runner(spec, n, k, device):
         return run
     if spec[0] == "loads":
         _, tile, ctas, load_x, sums = spec
+        ctas = grid_ctas(ctas, n, tile)
         cache = {}
 
         def run(x, codes, scales, dec_rows):
@@ -510,9 +528,9 @@ def _row(model, layer, n, k, t, name, sec, nbytes, dram, spec):
            "tbs": nbytes / sec / 1e12, "frac": nbytes / sec / 1e12 / dram}
     if spec is not None and spec[0] == "stream":
         decodes = gs.DECODE_NAMES | gs.PROBE_DECODE_NAMES
-        row["tile"], row["ctas"], row["decode"] = str(spec[1]), spec[2], decodes[spec[3]]
+        row["tile"], row["ctas"], row["decode"] = str(spec[1]), grid_ctas(spec[2], n, spec[1]), decodes[spec[3]]
     elif spec is not None and spec[0] == "loads":
-        row["tile"], row["ctas"], row["decode"] = str(spec[1]), spec[2], "loads only"
+        row["tile"], row["ctas"], row["decode"] = str(spec[1]), grid_ctas(spec[2], n, spec[1]), "loads only"
     print(f"{model:14} {layer:8} {n:6}x{k:<6} T={t:<3} {name:32} {row['us']:8.1f} us {row['tbs']:5.2f} TB/s "
           f"{row['frac']:5.2f}", flush=True)
     return row

@@ -55,7 +55,7 @@ def test_candidates(t, cc_major):
     streams = [(name, spec) for name, spec in specs if name not in loads]
     for name, spec in streams:
         kind, tile, ctas, decode = spec
-        assert kind == "stream" and ctas >= 1
+        assert kind == "stream" and (ctas >= 1 or (name == "stream-plan-rowtiles" and ctas == sweep.ROW_TILE_GRID))
         # the timing probes (nothing to check) are named as such; every other candidate is checked
         probes = {"stream-plan-nodecode": gs.DECODE_COPY, "stream-plan-raw": gs.DECODE_RAW}
         assert (decode in gs.PROBE_DECODE_NAMES) == (name in probes) == sweep.is_probe(spec)
@@ -91,8 +91,17 @@ def test_candidates(t, cc_major):
     assert {name: spec[1:] for name, spec in loads.items()} == {
         "stream-plan-loads": specs[0][1][1:3] + (True, True),
         "stream-plan-loads-nox": specs[0][1][1:3] + (False, True),
-        "stream-plan-loads-nosum": specs[0][1][1:3] + (True, False)}
-    assert [sweep.is_probe(spec) for spec in loads.values()] == [False, False, True]
+        "stream-plan-loads-nosum": specs[0][1][1:3] + (True, False),
+        "stream-plan-loads-rowtiles": (specs[0][1][1], sweep.ROW_TILE_GRID, True, True)}
+    assert [sweep.is_probe(spec) for spec in loads.values()] == [False, False, True, False]
+    # the plan's tile on one CTA per row tile: each CTA's range is exactly its row tile, so no tile is shared
+    rowtiles = specs[names.index("stream-plan-rowtiles")][1]
+    assert rowtiles[1:] == (specs[0][1][1], sweep.ROW_TILE_GRID, specs[0][1][3])
+    for n, k in ((5120, 25600), (51200, 5120), (100, 256)):
+        ctas = sweep.grid_ctas(rowtiles[2], n, rowtiles[1])
+        grid = gs.stream_grid(t, n, k, rowtiles[1], ctas)
+        assert ctas == grid.tiles_m == -(-n // rowtiles[1].block_m) and sweep.grid_ctas(7, n, rowtiles[1]) == 7
+        assert all(p * grid.total_blocks // ctas == p * grid.blocks_per_row for p in range(ctas + 1))
 
 
 def test_summary_table():
