@@ -150,7 +150,7 @@ def test_loads_probe_on_the_gpu(t, n, k, load_x):
     w = random_nvfp4((n, k), gen=gen, device="cuda")
     x = torch.randn(t, k, generator=gen).to(torch.bfloat16).cuda()
     plan = stream_plan(t, n, k, sm, torch.cuda.get_device_capability()[0])
-    for ctas in (plan.ctas, 3):
+    for ctas in (plan.ctas, 3, -(-n // plan.tile.block_m)):  # the one-wave grid, a small one, one CTA per row tile
         ws = probe.workspace_for(t, n, k, plan.tile, ctas, "cuda")
         for _ in range(2):  # the counters are back to zero after a call: a second call on the workspace is right
             got = probe.stream_loads(x, w.codes, w.scales, tile=plan.tile, ctas=ctas, load_x=load_x, workspace=ws)
