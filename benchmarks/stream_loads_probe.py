@@ -264,6 +264,8 @@ def stream_loads(x, codes, scales, *, tile: gs.StreamTile, ctas: int, load_x: bo
         workspace = gs.StreamWorkspace.for_grid(grid, tile, x.device)
     workspace.check(grid, tile, x.device)
     out = torch.empty(t, n, dtype=torch.float32, device=x.device) if out is None else out
+    if t == 0:  # nothing to read (the kernel would clamp its token rows to T - 1)
+        return out
     ones = _ONES.get((n, x.device))
     if ones is None:  # the epilogue's per-row scale: kept, so that a captured call launches the probe alone
         ones = _ONES[(n, x.device)] = torch.ones(n, dtype=torch.float32, device=x.device)
@@ -292,7 +294,7 @@ def stream_loads_expected(x, codes, scales, tile: gs.StreamTile, load_x: bool = 
     toks = torch.arange(triton.cdiv(t, tile.block_t) * tile.block_t, device=x.device).clamp_(max=t - 1)
     per_tok_tile = per_tok[toks].view(-1, tile.block_t).sum(1)
     total = per_tok_tile.repeat_interleave(tile.block_t)[:t, None] + per_tile.repeat_interleave(tile.block_m)[None, :n]
-    if int(total.max()) >= 2**24:
+    if total.numel() and int(total.max()) >= 2**24:
         raise ValueError("stream_loads_expected: the sums pass 2^24 and would not be exact in fp32")
     return total.to(torch.float32)
 

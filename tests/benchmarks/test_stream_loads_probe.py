@@ -80,6 +80,12 @@ def test_loads_probe_expected_is_the_sum_of_its_runs(gen, t, n, k, tile, ctas, l
     assert moved[:, n - 1].abs().eq(1 + pad).all() and int(moved.ne(0).sum()) == t * (tile.block_m - pad)
 
 
+def test_loads_probe_expected_of_no_tokens(gen):
+    w = random_nvfp4((40, 256), gen=gen)
+    got = probe.stream_loads_expected(torch.zeros(0, 256, dtype=torch.bfloat16), w.codes, w.scales, gs.StreamTile(32, 8))
+    assert got.shape == (0, 40) and got.dtype == torch.float32
+
+
 def test_loads_probe_refuses_what_it_cannot_read(gen):
     w = random_nvfp4((64, 512), gen=gen)
     x = torch.randn(2, 512).to(torch.bfloat16)
@@ -140,7 +146,7 @@ def test_loads_probe_compiles_to_the_plans_loads(arch, tile, load_x, sums):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t,n,k", [(1, 5120, 5120), (7, 1000, 2048), (16, 300, 1024), (20, 96, 512)])
+@pytest.mark.parametrize("t,n,k", [(0, 64, 256), (1, 5120, 5120), (7, 1000, 2048), (16, 300, 1024), (20, 96, 512)])
 @pytest.mark.parametrize("load_x", [True, False])
 def test_loads_probe_on_the_gpu(t, n, k, load_x):
     from vllm_nvfp4_sm120.dispatch.gemv_stream_plan import stream_plan
