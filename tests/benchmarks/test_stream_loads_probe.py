@@ -82,7 +82,8 @@ def test_loads_probe_expected_is_the_sum_of_its_runs(gen, t, n, k, tile, ctas, l
 
 def test_loads_probe_expected_of_no_tokens(gen):
     w = random_nvfp4((40, 256), gen=gen)
-    got = probe.stream_loads_expected(torch.zeros(0, 256, dtype=torch.bfloat16), w.codes, w.scales, gs.StreamTile(32, 8))
+    none = torch.zeros(0, 256, dtype=torch.bfloat16)
+    got = probe.stream_loads_expected(none, w.codes, w.scales, gs.StreamTile(32, 8))
     assert got.shape == (0, 40) and got.dtype == torch.float32
 
 
