@@ -580,6 +580,29 @@ def summary(result: dict) -> str:
     return "\n".join(lines)
 
 
+# The probe ladder's columns (names as the sweep gives them; "read-only" is the best read-only ceiling of the layer).
+LADDER = ("stream-plan", "stream-plan-nodecode", "stream-plan-raw", "stream-plan-loads", "stream-plan-loads-nox",
+          "stream-plan-loads-nosum", "stream-plan-rowtiles", "stream-plan-loads-rowtiles", "read-only")
+
+
+def ladder(result: dict) -> str:
+    """One line per (layer, T) with the fraction of DRAM read bandwidth of the plan, its probes, its row-tile grid and
+    the read-only ceiling (``-`` where a column did not run); empty when no probe ran."""
+    by = {}
+    for r in result["rows"]:
+        name = "read-only" if r["kernel"].startswith("read-only (") else r["kernel"]
+        by.setdefault((r["model"], r["layer"], r["t"]), {})[name] = r["frac"]
+    if not any(name in fracs for fracs in by.values() for name in LADDER[1:-1]):
+        return ""
+    heads = ["plan", "nodecode", "raw", "loads", "-nox", "-nosum", "rowtiles", "loads-rt", "read-only"]
+    lines = ["# fraction of DRAM read bandwidth: the plan, its timing probes, its row-tile grid, the read ceiling",
+             f"{'layer':22} {'T':>3} " + " ".join(f"{h:>9}" for h in heads)]
+    for (model, layer, t), fracs in by.items():
+        cells = [f"{fracs[name]:9.2f}" if name in fracs else f"{'-':>9}" for name in LADDER]
+        lines.append(f"{model[:9] + '/' + layer:22} {t:3} " + " ".join(cells))
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for linear_decode.json")
@@ -594,6 +617,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     result = sweep(args)
     table = summary(result)
+    if probes := ladder(result):
+        table += "\n\n" + probes
     print(table, flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

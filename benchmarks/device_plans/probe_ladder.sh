@@ -7,7 +7,8 @@
 # -nox without the activation loads, -nosum without the cross-CTA sums); the plan and the loads probe on one CTA per
 # row tile (stream-plan-rowtiles, stream-plan-loads-rowtiles: the ceiling's kind of grid); and the read-only ceiling.
 # On an H100 (runs 102-103) the first probe gained <= 10 % on 21 of 24 rows; the H200 (the goals' GPU, 1.38x the bytes
-# per SM-cycle) is the one to run it on.  Writes $OUT/linear_decode.json and $OUT/sweep.log.  About two minutes.
+# per SM-cycle) is the one to run it on.  Writes $OUT/linear_decode.json, $OUT/sweep.log and $OUT/linear_decode.txt
+# (the summary, then the ladder: each row's fractions of read bandwidth side by side).  About two minutes.
 # Then the same question for the MoE decode layer: the table's streaming gate_up and down (H = 2048: the 64 x 8 two-row-
 # warp gate_up; H >= 4096: the 32 x 8 one; the late-cast down) as a pair, beside their walks with the loads alone
 # (--loads-probe, checked exactly; alone, as a pair and without the cross-CTA sums) and the two-launch read ceiling
@@ -21,7 +22,6 @@ timeout ${SWEEP_S:-220} python3 benchmarks/linear_decode_sweep.py --out $OUT --t
   --min-bytes 1e9 --repeats 10 \
   > $OUT/sweep.log 2>&1
 echo "sweep rc $?"; grep -i "fail\|error" $OUT/sweep.log | head -5; cat $OUT/linear_decode.txt
-grep "stream-plan" $OUT/sweep.log | awk '{print $1, $2, $4, $5, $NF}'
 for part in "narrow qwen3-30b-a3b,qwen3-next-80b gus-m64t8-rw2" "wide qwen3-235b-a22b,deepseek-v3 gus-m32t8"; do
   set -- $part
   timeout ${MOE_S:-170} python3 benchmarks/moe_decode_sweep.py --out $OUT/moe_$1 --shapes $2 --tokens 1,4,8 \

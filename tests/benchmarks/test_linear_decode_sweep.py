@@ -124,3 +124,22 @@ def test_summary_table():
     text = sweep.summary({"rows": rows + fast, "dram_read_tbs": 4.4, "failures": []})
     assert "plan" in text.splitlines()[2].split()[2] and "(3.11)" in text
     assert fast[1]["decode"] == "loads only"
+
+
+def test_ladder_table():
+    tile = gs.StreamTile(32, 8, max_regs=128)
+    specs = {"stream-plan": ("stream", tile, 528, gs.DECODE_SHIFT),
+             "stream-plan-raw": ("stream", tile, 528, gs.DECODE_RAW),
+             "stream-plan-loads": ("loads", tile, 528, True, True),
+             "stream-plan-rowtiles": ("stream", tile, sweep.ROW_TILE_GRID, gs.DECODE_SHIFT),
+             "read-only (rows 32, split 1)": None}
+    rows = [sweep._row("qwen3-32b", "down", 5120, 25600, 8, name, us * 1e-6, 73_728_000, 4.0, specs[name])
+            for name, us in (("stream-plan", 30.0), ("stream-plan-raw", 25.0), ("stream-plan-loads", 20.0),
+                             ("stream-plan-rowtiles", 24.0), ("read-only (rows 32, split 1)", 19.2))]
+    text = sweep.ladder({"rows": rows})
+    line = text.splitlines()[-1].split()
+    assert line[:2] == ["qwen3-32b/down", "8"]
+    assert line[2:] == ["0.61", "-", "0.74", "0.92", "-", "-", "0.77", "-", "0.96"]
+    assert rows[3]["ctas"] == 160  # the row-tile grid resolved on the layer: 5120 rows / 32
+    assert sweep.ladder({"rows": [rows[0], rows[4]]}) == ""  # no probe ran: no ladder
+
