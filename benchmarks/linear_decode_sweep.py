@@ -346,8 +346,8 @@ def selected(name: str, patterns: list[str] | None) -> bool:
 
 def check(name, got, want, failures, exact=False) -> bool:
     try:
-        torch.testing.assert_close(got, want, rtol=0, atol=0) if exact else torch.testing.assert_close(
-            got, want, rtol=1.6e-2, atol=1e-4)
+        tolerance = dict(rtol=0, atol=0) if exact else dict(rtol=1.6e-2, atol=1e-4)
+        torch.testing.assert_close(got, want, **tolerance)
         return True
     except AssertionError as e:
         failures.append(f"{name}: {str(e).splitlines()[0]} / {str(e).splitlines()[-1]}")

@@ -23,18 +23,23 @@ K must be a multiple of 128 (every layer of the sweep): the probe has no K tail.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 
+from vllm_nvfp4_sm120.dispatch.gemv_stream_plan import REGISTERS_PER_SM
 from vllm_nvfp4_sm120.kernels import gluon_gemv_stream as gs
 from vllm_nvfp4_sm120.kernels.gluon_compat import HAS_GLUON, gl, gluon, require_gluon
 
 from vllm_nvfp4_sm120.kernels.gluon_moe_decode import MoeStreamTile, moe_stream_grid, route_block
 
 if HAS_GLUON:
-    from vllm_nvfp4_sm120.kernels.gluon_gemv_stream import (_end_tile, _lane_offsets, _reduce_tile, _row_tile,
-                                                            _run_span, _step_blocks)
-    from vllm_nvfp4_sm120.kernels.gluon_moe_decode import _expert_routes, _expert_run, _route_list, _tile_offsets
+    from vllm_nvfp4_sm120.kernels.gluon_gemv_stream import (_cta_blocks, _end_tile, _lane_offsets, _reduce_tile,
+                                                            _row_tile, _run_span, _slot_offsets, _step_blocks,
+                                                            _token_tile)
+    from vllm_nvfp4_sm120.kernels.gluon_moe_decode import (_expert_routes, _expert_run, _list_blocks, _route_list,
+                                                           _tile_offsets)
 
 # Argument types as the launcher passes them (for the compile tests).
 LOADS_SIGNATURE = {
@@ -149,15 +154,9 @@ if HAS_GLUON:
         ctas = gl.num_programs(0)
         tiles_m = gl.cdiv(N, BLOCK_M)
         w_c, k_c, row_c, w_s, k_s, row_s, w_x, n_x, k_x = _lane_offsets(WARPS, BMW, ROW_WARPS, BLOCK_T, 64, CL, S3, XW)
-        x_base = x_ptr + (pid_t * BLOCK_T).to(gl.int64) * stride_xt
-        x_offs = (gl.minimum(pid_t * BLOCK_T + n_x, T - 1) - pid_t * BLOCK_T) * stride_xt + k_x
-        rows_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O2))
-        toks_o = pid_t * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, O2))
-        part_offs = rows_o[:, None] * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, O2))[None, :]
-
-        b_begin = pid * total_blocks // ctas
-        b_end = (pid + 1) * total_blocks // ctas
-        first_tile = b_begin // NB
+        x_base, x_offs, rows_o, toks_o, part_offs = _token_tile(x_ptr, pid_t, T, stride_xt, n_x, k_x, BLOCK_M, BLOCK_T,
+                                                                O2)
+        b_begin, b_end, first_tile = _cta_blocks(pid, ctas, total_blocks, NB)
         b = b_begin
         while b < b_end:
             tile, run_end, kb0, kb_last, last = _run_span(b, b_end, NB, KW)
@@ -202,13 +201,8 @@ if HAS_GLUON:
 
         w_c, k_c, row_c, w_s, k_s, row_s, w_x, _, k_x = _lane_offsets(WARPS, BMW, ROW_WARPS, BLOCK_T, 64, CL, S3, XW)
         n_r = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, R2))
-        part_offs = (gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O2))[:, None] * BLOCK_T
-                     + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, O2))[None, :])
-
-        ctas = gl.maximum(gl.minimum(ctas, total), 1)
-        b_begin = gl.minimum(pid, ctas) * total // ctas
-        b_end = gl.minimum(pid + 1, ctas) * total // ctas
-        first_tile = b_begin // NB
+        part_offs = _slot_offsets(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O2)), BLOCK_T, O2)
+        ctas, b_begin, b_end, first_tile = _list_blocks(pid, ctas, total, NB)
         b = b_begin
         while b < b_end:
             tile, run_end, kb0, kb_last, last, q, j = _expert_run(b, b_end, NB, tiles_e, KW)
@@ -337,9 +331,11 @@ def _moe_sizes(rows: int, down: bool) -> int:
 
 
 def moe_register_cap(tile: MoeStreamTile) -> int:
-    """The probe's register cap on a MoE tile: the tile's own, or the budget of its ``ctas_per_sm`` (without a cap
-    ptxas takes 128 registers for the probe on sm_120 and spills outside the loop)."""
-    return tile.max_regs or min(255, 65536 // (tile.ctas_per_sm * 32 * tile.num_warps))
+    """The probe's register cap on a MoE tile: the tile's own, or the budget of its ``ctas_per_sm`` in the units of 8
+    the hardware allocates (without a cap ptxas takes 128 registers for the probe on sm_120 and spills outside the
+    loop)."""
+    budget = REGISTERS_PER_SM // (tile.ctas_per_sm * 32 * tile.num_warps)
+    return tile.max_regs or min(248, budget // 8 * 8)
 
 
 def moe_stream_loads(x, codes, scales, topk_ids, *, tile: MoeStreamTile, ctas: int, down: bool, load_x: bool = True,
@@ -366,7 +362,7 @@ def moe_stream_loads(x, codes, scales, topk_ids, *, tile: MoeStreamTile, ctas: i
         x.stride(0) // 2, codes.stride(0) // 4, codes.stride(1) // 4, scales.stride(0), scales.stride(1), s, n, k, e,
         top_k, grid.tiles_e, grid.slots_per_cta, DOWN=down, LOAD_X=load_x, SUMS=sums, S_BLOCK=route_block(s),
         BLOCK_M=tile.block_m, BLOCK_T=tile.block_t, WARPS=tile.num_warps, ROW_WARPS=tile.row_warps,
-        num_warps=tile.num_warps, maxnreg=moe_register_cap(tile))
+        **replace(tile, max_regs=moe_register_cap(tile)).launch_options)
     return out
 
 

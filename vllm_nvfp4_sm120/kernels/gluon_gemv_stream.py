@@ -653,6 +653,32 @@ if HAS_GLUON:
         return (w_c, k_c, (w_c % ROW_WARPS) * BMW + m_c, w_s, k_s, (w_s % ROW_WARPS) * BMW + m_s, w_x, n_x, k_x)
 
     @gluon.jit
+    def _token_tile(x_ptr, pid_t, T, stride_xt, n_x, k_x, BLOCK_M: gl.constexpr, BLOCK_T: gl.constexpr,
+                    O2: gl.constexpr):
+        """Token tile ``pid_t``: the activations' base and per-lane offsets (from :func:`_lane_offsets`' ``n_x`` and
+        ``k_x``; tokens past T re-read token T - 1, an L1 hit, and their output columns are not stored), and its
+        output tile in ``O2``: ``(x_base, x_offs, rows_o, toks_o, part_offs)``."""
+        x_base = x_ptr + (pid_t * BLOCK_T).to(gl.int64) * stride_xt
+        x_offs = (gl.minimum(pid_t * BLOCK_T + n_x, T - 1) - pid_t * BLOCK_T) * stride_xt + k_x
+        rows_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O2))
+        toks_o = pid_t * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, O2))
+        return x_base, x_offs, rows_o, toks_o, _slot_offsets(rows_o, BLOCK_T, O2)
+
+    @gluon.jit
+    def _slot_offsets(rows_o, BLOCK_T: gl.constexpr, O2: gl.constexpr):
+        """Each element's offset in a row-major ``[BLOCK_M, BLOCK_T]`` partial-sum slot (``rows_o``: the tile's rows,
+        ``arange(BLOCK_M)`` in ``SliceLayout(1, O2)``)."""
+        return rows_o[:, None] * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, O2))[None, :]
+
+    @gluon.jit
+    def _cta_blocks(pid, ctas, total_blocks, NB):
+        """CTA ``pid``'s stream-K range ``[b_begin, b_end)`` of the ``total_blocks`` (row tile, 128-k block) pairs
+        split over ``ctas`` CTAs, and the row tile it starts in: ``(b_begin, b_end, first_tile)``."""
+        b_begin = pid * total_blocks // ctas
+        b_end = (pid + 1) * total_blocks // ctas
+        return b_begin, b_end, b_begin // NB
+
+    @gluon.jit
     def _stream_kernel(
         x_ptr, w_ptr, ws_ptr, wdec_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
         T, N, K, stride_xt, stride_ww, stride_wsn, stride_ot, total_blocks, slots_per_cta,
@@ -686,18 +712,12 @@ if HAS_GLUON:
         # ---- per-lane offsets: rows inside the row tile, words / scales / activations inside a block
         w_c, k_c, row_c, w_s, k_s, row_s, w_x, n_x, k_x = _lane_offsets(WARPS, BMW, ROW_WARPS, BLOCK_T, 128, CL, S3,
                                                                          XL)
-        # Tokens past T re-read token T - 1 (an L1 hit; their output columns are not stored).
-        x_base = x_ptr + (pid_t * BLOCK_T).to(gl.int64) * stride_xt
-        x_offs = (gl.minimum(pid_t * BLOCK_T + n_x, T - 1) - pid_t * BLOCK_T) * stride_xt + k_x
-        rows_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O2))
-        toks_o = pid_t * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, O2))
-        part_offs = rows_o[:, None] * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, O2))[None, :]
+        x_base, x_offs, rows_o, toks_o, part_offs = _token_tile(x_ptr, pid_t, T, stride_xt, n_x, k_x, BLOCK_M, BLOCK_T,
+                                                                O2)
 
         # ---- this CTA's range of (row tile, block) pairs: runs of consecutive blocks, one per row tile
         # (total_blocks * ctas < 2^31: stream_grid checks it, so the range arithmetic stays 32-bit)
-        b_begin = pid * total_blocks // ctas
-        b_end = (pid + 1) * total_blocks // ctas
-        first_tile = b_begin // NB
+        b_begin, b_end, first_tile = _cta_blocks(pid, ctas, total_blocks, NB)
         if not OVERLAP_RUNS:
             b = b_begin
             while b < b_end:

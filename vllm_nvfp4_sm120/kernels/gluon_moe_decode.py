@@ -47,7 +47,7 @@ from .gluon_gemv_stream import DECODE_NAMES, K_BLOCK, check_stream_step, default
 
 if HAS_GLUON:
     from .gluon_gemv_stream import (_EPILOGUE_SHIFT, _lane_offsets, _reduce_tile, _run_bases, _run_first,
-                                    _run_last, _run_product, _run_span, _run_steps)
+                                    _run_last, _run_product, _run_span, _run_steps, _slot_offsets)
 
 
 @dataclass(frozen=True)
@@ -206,6 +206,17 @@ if HAS_GLUON:
         return offs_b, ids_b, before_b, nth_b, gl.sum(first_a.to(gl.int32), axis=0)
 
     @gluon.jit
+    def _list_blocks(pid, ctas, total, NB):
+        """CTA ``pid``'s stream-K range of the call's ``total`` list blocks: ``(ctas, b_begin, b_end, first_tile)``,
+        the grid clamped to the list.  The list can be shorter than the grid (a few experts of a narrow layer): then
+        only the first ``total`` CTAs take a block each, so that every CTA between a tile's first and last holder
+        contributes to it (the arrival count relies on that); the others find an empty range."""
+        ctas = gl.maximum(gl.minimum(ctas, total), 1)
+        b_begin = gl.minimum(pid, ctas) * total // ctas
+        b_end = gl.minimum(pid + 1, ctas) * total // ctas
+        return ctas, b_begin, b_end, b_begin // NB
+
+    @gluon.jit
     def _gated(gate, up, ACTIVATION: gl.constexpr):
         """``act(gate) * up`` in fp32, the formulas of moe_common.gated_activation_f32."""
         if ACTIVATION == "silu":
@@ -348,16 +359,9 @@ if HAS_GLUON:
         # ---- per-lane offsets (as in the streaming kernel)
         w_c, k_c, row_c, w_s, k_s, row_s, w_x, _, k_x = _lane_offsets(WARPS, BMW, ROW_WARPS, BLOCK_T, 128, CL, S3, XL)
         n_r = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, R2))
-        part_offs = (gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O2))[:, None] * BLOCK_T
-                     + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, O2))[None, :])
+        part_offs = _slot_offsets(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O2)), BLOCK_T, O2)
 
-        # The list can be shorter than the grid (a few experts of a narrow layer): then only the first `total` CTAs
-        # take a block each, so that every CTA between a tile's first and last holder contributes to it (the
-        # arrival count relies on that); the others find an empty range.
-        ctas = gl.maximum(gl.minimum(ctas, total), 1)
-        b_begin = gl.minimum(pid, ctas) * total // ctas
-        b_end = gl.minimum(pid + 1, ctas) * total // ctas
-        first_tile = b_begin // NB
+        ctas, b_begin, b_end, first_tile = _list_blocks(pid, ctas, total, NB)
         if not OVERLAP_RUNS:
             b = b_begin
             while b < b_end:
